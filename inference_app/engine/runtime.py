@@ -1,0 +1,133 @@
+"""The resident model: tokenisation, chat rendering and the forward passes the services need.
+
+Every method that touches weights runs in the engine's model thread, under the admission slot.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from inference_app.engine.loader import LoadedModel
+from inference_app.provenance import system_fingerprint
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    finished_by_eos: bool
+
+
+class ResidentModel:
+    def __init__(self, loaded: LoadedModel, model_id=None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.model_id = model_id or loaded.source.model_id
+        config = self.model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
+        self.vocab_size = int(config.vocab_size)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.fingerprint = system_fingerprint(
+            self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization
+        )
+
+    @property
+    def dtype_name(self):
+        return str(self.dtype).removeprefix("torch.")
+
+    # --- text <-> tokens ---
+
+    def encode(self, text):
+        """The one tokenisation of a prompt, shared by chat (after rendering) and completions,
+        so chat scoring equals completions scoring of the rendered prompt to the bit."""
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def render_chat(self, messages):
+        conversation = [{"role": message.template_role(), "content": message.text()} for message in messages]
+        add_generation_prompt = messages[-1].role != "assistant"
+        return self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def decode(self, token_ids):
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_string(self, token_id):
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id):
+        return list(self.token_string(token_id).encode("utf-8"))
+
+    def is_eos(self, token_id):
+        return token_id in self.eos_ids
+
+    # --- forward passes ---
+
+    @torch.inference_mode()
+    def last_logits(self, token_ids):
+        """Logits at the prompt's last token only: the head runs at one position, not all."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False):
+        """Yield sampled token ids one at a time, with a KV cache; stops at EOS or the limit."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        for _ in range(max_new_tokens):
+            if cancelled():
+                return
+            token_id = self._sample(out.logits[0, -1].float(), temperature, top_p, generator)
+            eos = self.is_eos(token_id)
+            yield SampledToken(token_id, eos)
+            if eos:
+                return
+            step = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=step, cache=out.cache, use_cache=True, logits_to_keep=1)
+
+    @staticmethod
+    def _sample(logits, temperature, top_p, generator):
+        if temperature == 0 or top_p == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            keep = cumulative - sorted_probs < top_p
+            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+            choice = torch.multinomial(sorted_probs, 1, generator=generator)
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    @torch.inference_mode()
+    def embed(self, token_ids, pooling, normalize):
+        """The last hidden layer pooled over the input's own tokens, as float32."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model.base_model(input_ids=ids).last_hidden_state[0].float()
+        if pooling == "mean":
+            vector = hidden.mean(dim=0)
+        elif pooling == "last":
+            vector = hidden[-1]
+        else:
+            vector = hidden[0]
+        if normalize:
+            vector = F.normalize(vector, p=2, dim=0)
+        return vector.cpu()
+
+
+def _eos_ids(model, tokenizer):
+    ids = set()
+    for candidate in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, (list, tuple)):
+            ids.update(int(item) for item in candidate)
+    return frozenset(ids)

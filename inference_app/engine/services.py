@@ -1,0 +1,429 @@
+"""The service functions: the ONLY code that runs the model.
+
+A synchronous request and a batch row call the same function with a ParsedRequest (from
+`inference_app.schemas.parse_request`) and get a ServiceResult: the response body and the
+provenance headers the route sets. Refusals raise ApiError. Streaming variants return the
+headers first and then an iterator of chunks; the iterator runs the model as it is consumed,
+so it must be consumed in the model thread, under the admission slot.
+"""
+
+import base64
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from inference_app.errors import ApiError
+from inference_app.models import new_id
+from inference_app.provenance import provenance_headers
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+DEFAULT_CHAT_MAX_TOKENS = 512
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass
+class ServiceResult:
+    body: dict
+    headers: dict
+
+
+def never_cancelled():
+    return False
+
+
+def run(runtime, parsed, cancelled=never_cancelled):
+    """Answer one non-streamed request."""
+    check_model(runtime, parsed)
+    if parsed.endpoint == CHAT:
+        return chat_completion(runtime, parsed, cancelled)
+    if parsed.endpoint == COMPLETIONS:
+        return completion(runtime, parsed, cancelled)
+    return embeddings(runtime, parsed)
+
+
+def stream(runtime, parsed, cancelled=never_cancelled):
+    """Headers, then an iterator of SSE chunk objects, for a streamed chat or completion."""
+    check_model(runtime, parsed)
+    if parsed.endpoint == CHAT:
+        return chat_completion_stream(runtime, parsed, cancelled)
+    return completion_stream(runtime, parsed, cancelled)
+
+
+def check_model(runtime, parsed):
+    name = getattr(parsed.request, "model", None)
+    if name is not None and name != runtime.model_id:
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"The model '{name}' is not resident on this engine; it serves '{runtime.model_id}'",
+            param="model",
+        )
+
+
+def headers_for(runtime, parsed):
+    return provenance_headers(runtime.model_id, parsed.endpoint, parsed.request, parsed.ignored)
+
+
+# --- chat ---
+
+
+def chat_completion(runtime, parsed, cancelled=never_cancelled):
+    request = parsed.request
+    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
+    if request.is_scoring():
+        return ServiceResult(_chat_score(runtime, request, prompt_ids), headers_for(runtime, parsed))
+    max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
+    text, finish_reason, produced = _generate_text(runtime, request, prompt_ids, max_tokens, cancelled)
+    body = {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": runtime.model_id,
+        "system_fingerprint": runtime.fingerprint,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": _usage(len(prompt_ids), produced),
+    }
+    return ServiceResult(body, headers_for(runtime, parsed))
+
+
+def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
+    request = parsed.request
+    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
+    max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
+    completion_id, created = new_id("chatcmpl-"), int(time.time())
+
+    def chunk(delta, finish_reason=None):
+        return {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": runtime.model_id,
+            "system_fingerprint": runtime.fingerprint,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    def chunks():
+        yield chunk({"role": "assistant", "content": ""})
+        assembler = TextAssembler(runtime, request.stop_sequences())
+        for delta in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
+            yield chunk({"content": delta})
+        yield chunk({}, assembler.finish_reason)
+        if request.include_usage():
+            final = chunk({})
+            final["choices"] = []
+            final["usage"] = _usage(len(prompt_ids), assembler.produced)
+            yield final
+
+    return headers_for(runtime, parsed), chunks()
+
+
+def _chat_score(runtime, request, prompt_ids):
+    count = _top_count(request.top_logprobs, request.allowed_token_ids)
+    chosen, logprob, top = score_next_token(
+        runtime, prompt_ids, request.temperature, request.allowed_token_ids, count, "messages"
+    )
+    entry = _token_entry(runtime, chosen, logprob)
+    entry["top_logprobs"] = [_token_entry(runtime, token_id, value) for token_id, value in top]
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": runtime.model_id,
+        "system_fingerprint": runtime.fingerprint,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": runtime.token_string(chosen), "refusal": None},
+                "logprobs": {"content": [entry], "refusal": None},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": _usage(len(prompt_ids), 1),
+    }
+
+
+# --- completions ---
+
+
+def completion(runtime, parsed, cancelled=never_cancelled):
+    request = parsed.request
+    encoded = [runtime.encode(prompt) for prompt in request.prompts()]
+    if request.is_scoring():
+        choices = [_completion_score(runtime, request, ids, index) for index, ids in enumerate(encoded)]
+        prompt_tokens, produced = sum(len(ids) for ids in encoded), len(encoded)
+    else:
+        limits = [
+            _max_tokens(runtime, ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in encoded
+        ]
+        choices, prompt_tokens, produced = [], 0, 0
+        for index, (ids, limit) in enumerate(zip(encoded, limits)):
+            text, finish_reason, count = _generate_text(runtime, request, ids, limit, cancelled)
+            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+            prompt_tokens += len(ids)
+            produced += count
+    body = {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": runtime.model_id,
+        "system_fingerprint": runtime.fingerprint,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, produced),
+    }
+    return ServiceResult(body, headers_for(runtime, parsed))
+
+
+def completion_stream(runtime, parsed, cancelled=never_cancelled):
+    request = parsed.request
+    prompt_ids = runtime.encode(request.prompts()[0])
+    max_tokens = _max_tokens(runtime, prompt_ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+    completion_id, created = new_id("cmpl-"), int(time.time())
+
+    def chunk(text, finish_reason=None):
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": runtime.model_id,
+            "system_fingerprint": runtime.fingerprint,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    def chunks():
+        assembler = TextAssembler(runtime, request.stop_sequences())
+        for delta in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
+            yield chunk(delta)
+        yield chunk("", assembler.finish_reason)
+        if request.include_usage():
+            final = chunk("")
+            final["choices"] = []
+            final["usage"] = _usage(len(prompt_ids), assembler.produced)
+            yield final
+
+    return headers_for(runtime, parsed), chunks()
+
+
+def _completion_score(runtime, request, prompt_ids, index):
+    count = _top_count(request.logprobs, request.allowed_token_ids)
+    chosen, logprob, top = score_next_token(runtime, prompt_ids, request.temperature, request.allowed_token_ids, count)
+    token = runtime.token_string(chosen)
+    top_map = {}
+    for token_id, value in top:
+        top_map.setdefault(runtime.token_string(token_id), value)
+    return {
+        "index": index,
+        "text": token,
+        "logprobs": {"tokens": [token], "token_logprobs": [logprob], "top_logprobs": [top_map], "text_offset": [0]},
+        "finish_reason": "length",
+    }
+
+
+# --- scoring, shared by chat and completions ---
+
+
+def score_next_token(runtime, prompt_ids, temperature, allowed_token_ids, top_count, prompt_param="prompt"):
+    """The distribution at the prompt's last token (SPEC 4, scoring mode).
+
+    Returns (chosen id, its logprob, [(id, logprob)] of the `top_count` most probable,
+    impossible tokens left out).
+    """
+    _check_context(runtime, len(prompt_ids), 1, prompt_param)
+    logits = runtime.last_logits(prompt_ids)
+    if temperature:
+        logits = logits / temperature
+    if allowed_token_ids is not None:
+        outside = [token_id for token_id in allowed_token_ids if token_id >= runtime.vocab_size]
+        if outside:
+            raise ApiError(
+                400,
+                "invalid_scoring_request",
+                f"allowed_token_ids holds {outside[0]}, outside the vocabulary of {runtime.vocab_size} tokens",
+                param="allowed_token_ids",
+            )
+        allowed = torch.tensor(sorted(set(allowed_token_ids)), dtype=torch.long, device=logits.device)
+        restricted = torch.full_like(logits, -math.inf)
+        restricted[allowed] = logits[allowed]
+        logits = restricted
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = int(torch.argmax(logprobs))
+    values, ids = torch.topk(logprobs, k=min(max(top_count, 1), logprobs.shape[0]))
+    top = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist()) if math.isfinite(v)][:top_count]
+    return chosen, float(logprobs[chosen]), top
+
+
+def _top_count(requested, allowed_token_ids):
+    if requested is not None:
+        return requested
+    return min(len(set(allowed_token_ids)), 20) if allowed_token_ids else 0
+
+
+def _token_entry(runtime, token_id, logprob):
+    return {"token": runtime.token_string(token_id), "logprob": logprob, "bytes": runtime.token_bytes(token_id)}
+
+
+# --- embeddings ---
+
+
+def embeddings(runtime, parsed):
+    request = parsed.request
+    encoded = [runtime.encode(text) for text in request.inputs()]
+    # Every input is checked before any forward pass: nothing runs for a request that fails.
+    for index, ids in enumerate(encoded):
+        if len(ids) > runtime.context_length:
+            raise ApiError(
+                400,
+                "context_length_exceeded",
+                f"Input {index} is {len(ids)} tokens, over this model's maximum context length of "
+                f"{runtime.context_length} tokens; nothing was truncated",
+                param=f"input[{index}]",
+            )
+    data = []
+    for index, ids in enumerate(encoded):
+        vector = runtime.embed(ids, request.pooling, request.normalize)
+        data.append({"object": "embedding", "index": index, "embedding": encode_vector(vector, request.encoding_format)})
+    tokens = sum(len(ids) for ids in encoded)
+    body = {
+        "object": "list",
+        "data": data,
+        "model": runtime.model_id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return ServiceResult(body, headers_for(runtime, parsed))
+
+
+def encode_vector(vector, encoding_format):
+    values = vector.numpy().astype("<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(values.tobytes()).decode("ascii")
+    return values.astype(np.float64).tolist()
+
+
+# --- generation helpers ---
+
+
+def _max_tokens(runtime, prompt_ids, requested, default, prompt_param):
+    """The request's max_tokens, or the default: a chat default never asks past the context."""
+    if requested is None:
+        requested = default
+        if prompt_param == "messages":
+            requested = max(1, min(default, runtime.context_length - len(prompt_ids)))
+    _check_context(runtime, len(prompt_ids), requested, prompt_param)
+    return requested
+
+
+def _check_context(runtime, prompt_tokens, max_tokens, prompt_param):
+    if prompt_tokens + max_tokens <= runtime.context_length:
+        return
+    where = "messages" if prompt_param == "messages" else "prompt"
+    raise ApiError(
+        400,
+        "context_length_exceeded",
+        f"This model's maximum context length is {runtime.context_length} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the completion). "
+        "Reduce the length of the prompt or max_tokens; nothing was truncated.",
+        param=prompt_param,
+    )
+
+
+def _generate_text(runtime, request, prompt_ids, max_tokens, cancelled):
+    assembler = TextAssembler(runtime, request.stop_sequences())
+    for _ in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
+        pass
+    return assembler.text, assembler.finish_reason, assembler.produced
+
+
+def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
+    """Yield the answer's text as it is generated; `assembler` keeps the whole and the reason."""
+    tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled)
+    for token in tokens:
+        if token.finished_by_eos:
+            assembler.finish_reason = "stop"
+            break
+        delta = assembler.add(token.token_id)
+        if delta:
+            yield delta
+        if assembler.stopped:
+            assembler.finish_reason = "stop"
+            break
+    rest = assembler.finish()
+    if rest:
+        yield rest
+
+
+def _usage(prompt_tokens, completion_tokens):
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class TextAssembler:
+    """Turns sampled tokens into text deltas that are safe to send.
+
+    Holds back a trailing partial UTF-8 character and any tail that could still become a stop
+    sequence, so a streamed answer never shows text that the final answer does not contain.
+    """
+
+    def __init__(self, runtime, stops):
+        self.runtime = runtime
+        self.stops = [stop for stop in stops if stop]
+        self.token_ids = []
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+        self.finish_reason = "length"
+
+    @property
+    def produced(self):
+        return len(self.token_ids)
+
+    def add(self, token_id):
+        self.token_ids.append(token_id)
+        full = self.runtime.decode(self.token_ids)
+        cut = self._stop_index(full)
+        if cut is not None:
+            self.text, self.stopped = full[:cut], True
+            return self._emit(cut)
+        self.text = full
+        safe = len(full.rstrip("\ufffd"))
+        safe -= self._held_tail(full[:safe])
+        return self._emit(safe)
+
+    def finish(self):
+        if not self.stopped:
+            self.text = self.text.rstrip("\ufffd") if self.text.endswith("\ufffd") else self.text
+        return self._emit(len(self.text))
+
+    def _emit(self, upto):
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : upto]
+        self.emitted = upto
+        return delta
+
+    def _stop_index(self, full):
+        found = [full.find(stop, max(0, self.emitted - len(stop))) for stop in self.stops]
+        found = [index for index in found if index >= 0]
+        return min(found) if found else None
+
+    def _held_tail(self, text):
+        held = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:size]):
+                    held = max(held, size)
+                    break
+        return held

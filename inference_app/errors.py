@@ -1,0 +1,109 @@
+"""The error envelopes of SPEC section 2, and the one exception class that carries them.
+
+`/v1` routes answer `{"error": {message, type, param, code}}`; `/api` management routes answer
+`{"success": false, "data": null, "error": {code, message, details}}`. Code anywhere (web or
+engine, route or batch row) raises ApiError; the edge renders it in the envelope of its route.
+"""
+
+import json
+import math
+
+from django.http import HttpResponse
+
+TYPE_BY_STATUS = {401: "authentication_error", 429: "rate_limit_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status, code, message, param=None, error_type=None, retry_after=None, details=None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = error_type or _default_type(status)
+        self.retry_after = retry_after
+        self.details = details
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def management_body(self):
+        return {
+            "success": False,
+            "data": None,
+            "error": {"code": self.code.upper(), "message": self.message, "details": self.details or {}},
+        }
+
+    def to_wire(self):
+        """A plain dict that crosses the channel layer and becomes an ApiError again."""
+        return {
+            "status": self.status,
+            "code": self.code,
+            "message": self.message,
+            "param": self.param,
+            "type": self.type,
+            "retry_after": self.retry_after,
+            "details": self.details,
+        }
+
+    @classmethod
+    def from_wire(cls, data):
+        return cls(
+            data["status"],
+            data["code"],
+            data["message"],
+            param=data.get("param"),
+            error_type=data.get("type"),
+            retry_after=data.get("retry_after"),
+            details=data.get("details"),
+        )
+
+
+def _default_type(status):
+    if status in TYPE_BY_STATUS:
+        return TYPE_BY_STATUS[status]
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def json_response(body, status=200, headers=None):
+    response = HttpResponse(
+        json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")),
+        status=status,
+        content_type="application/json",
+    )
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def error_response(error, management=False, headers=None):
+    body = error.management_body() if management else error.body()
+    response = json_response(body, status=error.status, headers=headers)
+    if error.status == 503 or error.retry_after is not None:
+        response["Retry-After"] = str(int(math.ceil(error.retry_after or 5)))
+    response.millm_envelope = True
+    return response
+
+
+def internal_error():
+    return ApiError(500, "server_error", "An internal server error occurred.")
+
+
+def not_found_route(method, path):
+    return ApiError(404, "not_found", f"Unknown route: {method} {path}")
+
+
+def method_not_allowed(method, path, allowed):
+    return ApiError(
+        405,
+        "method_not_allowed",
+        f"Method {method} is not allowed on {path}; allowed: {', '.join(allowed) or 'none'}",
+    )
+
+
+def request_too_large(measured, limit):
+    return ApiError(
+        413,
+        "request_too_large",
+        f"Request body is {measured} bytes, over the limit of {limit} bytes (MILLM_MAX_BODY_BYTES)",
+    )

@@ -1,0 +1,140 @@
+"""Web's side of the engine: find the live engine of a model and forward a request to it.
+
+A request travels as one message to the engine's channel; the answer (or the stream of chunks)
+comes back on a reply channel of this process. While waiting, web re-checks the engine's
+heartbeat, so a request to an engine that died answers 503 within ENGINE_STALE_S instead of
+hanging until MILLM_REQUEST_TIMEOUT_S.
+"""
+
+import asyncio
+import time
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+from inference_app.catalogue import resolve
+from inference_app.errors import ApiError
+from inference_app.models import Engine
+
+
+def engine_unavailable(model_id):
+    return ApiError(
+        503,
+        "engine_unavailable",
+        f"No live engine serves the model '{model_id}'. Start one: "
+        f"MILLM_MODEL=<its folder or .gguf> python manage.py runbatchworker",
+        retry_after=5,
+    )
+
+
+@sync_to_async
+def engine_for(model_name):
+    """Resolve the request's model by the catalogue rules, then find its live active engine."""
+    entry = resolve(model_name)
+    engine = Engine.objects.serving(entry.id)
+    if engine is None:
+        raise engine_unavailable(entry.id)
+    return engine
+
+
+@sync_to_async
+def _engine_alive(engine_id):
+    return Engine.objects.live().filter(pk=engine_id, role=Engine.Role.ACTIVE).exists()
+
+
+class Forwarded:
+    """One request in flight to an engine, and the reply channel its answer comes back on."""
+
+    def __init__(self, engine, endpoint, raw_body, strict, request_id, stream):
+        self.engine = engine
+        self.layer = get_channel_layer()
+        self.request_id = request_id
+        self.deadline = time.time() + settings.MILLM_REQUEST_TIMEOUT_S
+        self.message = {
+            "type": "infer",
+            "id": request_id,
+            "endpoint": endpoint,
+            "body": raw_body,
+            "strict": strict,
+            "stream": stream,
+            "deadline": self.deadline,
+        }
+        self.reply = None
+        self.finished = False
+
+    async def send(self):
+        self.reply = await self.layer.new_channel()
+        self.message["reply"] = self.reply
+        await self.layer.send(self.engine.channel, self.message)
+
+    async def next_message(self):
+        """The next message on the reply channel, or the 503/504 that replaces it."""
+        while True:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                await self.cancel()
+                raise ApiError(
+                    504,
+                    "request_timeout",
+                    f"The engine did not answer within {settings.MILLM_REQUEST_TIMEOUT_S:g} s (MILLM_REQUEST_TIMEOUT_S)",
+                )
+            try:
+                async with asyncio.timeout(min(remaining, settings.ENGINE_STALE_S)):
+                    return await self.layer.receive(self.reply)
+            except TimeoutError:
+                if not await _engine_alive(self.engine.id):
+                    self.finished = True
+                    raise engine_unavailable(self.engine.resident_model_id or self.engine.model_id) from None
+
+    async def cancel(self):
+        """Tell the engine the caller left, so it drops or stops the request."""
+        if self.finished:
+            return
+        self.finished = True
+        await self.layer.send(self.engine.channel, {"type": "cancel", "id": self.request_id})
+
+
+async def call(engine, endpoint, raw_body, strict, request_id):
+    """Forward a non-streamed request; returns (body, headers) or raises the engine's ApiError."""
+    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=False)
+    try:
+        await forwarded.send()
+        message = await forwarded.next_message()
+        forwarded.finished = True
+    except asyncio.CancelledError:
+        await asyncio.shield(forwarded.cancel())
+        raise
+    if message["type"] == "error":
+        raise ApiError.from_wire(message["error"])
+    return message["body"], message["headers"]
+
+
+async def open_stream(engine, endpoint, raw_body, strict, request_id):
+    """Forward a streamed request; returns (headers, async iterator of messages) once it starts."""
+    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=True)
+    try:
+        await forwarded.send()
+        first = await forwarded.next_message()
+    except asyncio.CancelledError:
+        await asyncio.shield(forwarded.cancel())
+        raise
+    if first["type"] == "error":
+        forwarded.finished = True
+        raise ApiError.from_wire(first["error"])
+    return first["headers"], _stream_messages(forwarded)
+
+
+async def _stream_messages(forwarded):
+    try:
+        while True:
+            message = await forwarded.next_message()
+            if message["type"] == "end":
+                forwarded.finished = True
+                if message.get("error"):
+                    raise ApiError.from_wire(message["error"])
+                return
+            yield message["data"]
+    finally:
+        if not forwarded.finished:
+            await asyncio.shield(forwarded.cancel())

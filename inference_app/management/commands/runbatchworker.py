@@ -1,0 +1,25 @@
+"""Start the engine: the resident model, the admission slot and the interactive consumer.
+
+The batch runner joins this same process in the Batch API issue.
+"""
+
+import logging
+
+from django.core.management.base import BaseCommand
+
+from inference_app.catalogue import model_source
+
+
+class Command(BaseCommand):
+    help = "Run the engine: load the model (MILLM_MODEL) and serve requests forwarded by web processes."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--model", help="A model folder or .gguf file (default: MILLM_MODEL, else SmolLM2)")
+        parser.add_argument("--model-id", help="The catalogue id to serve it under (default: MILLM_MODEL_ID, else derived)")
+
+    def handle(self, *args, model=None, model_id=None, **options):
+        from inference_app.engine.worker import Worker
+
+        logging.getLogger("millm").setLevel(logging.INFO)
+        source = model_source(model, model_id)
+        Worker(source).run()

@@ -1,0 +1,426 @@
+"""Request schemas for the inference endpoints, shared by the routes and the batch validator.
+
+One `parse_request(endpoint, body, strict)` turns a decoded JSON body into a validated pydantic
+object plus the list of fields the endpoint would not use, or raises the ApiError the route
+answers (SPEC sections 2 and 4). The batch validator calls the very same function with
+strict=True, so a line is refused with exactly the code and message the route would give.
+
+This module imports neither torch nor the engine: web processes use it too.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+from django.conf import settings
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from inference_app.errors import ApiError
+
+SEED_MAX = 2**32 - 1
+
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+Seed = Annotated[StrictInt, Field(ge=0, le=SEED_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+
+
+class Schema(BaseModel):
+    # Extra keys are kept, not refused here: they are the "unused fields" that strict mode
+    # refuses and non-strict mode reports in X-miLLM-Ignored-Fields.
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    @classmethod
+    def nested_schemas(cls):
+        """Keys whose value holds nested schemas: {key: Schema} (a dict, or a list of dicts)."""
+        return {}
+
+
+class TextPart(Schema):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[StrictStr, Annotated[list[TextPart], Field(min_length=1)]]
+
+    @classmethod
+    def nested_schemas(cls):
+        return {"content": TextPart}
+
+    def text(self):
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def template_role(self):
+        # `developer` is OpenAI's newer name for the system role.
+        return "system" if self.role == "developer" else self.role
+
+
+class StreamOptions(Schema):
+    include_usage: StrictBool = False
+
+
+Stop = Union[StrictStr, Annotated[list[NonEmptyStr], Field(min_length=1, max_length=4)]]
+
+# Output-changing fields this server cannot honour, with the value that changes nothing.
+# A non-neutral value is refused with field_not_honoured in every mode (SPEC section 4).
+NEUTRAL = {
+    "tools": [],
+    "tool_choice": "none",
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "echo": False,
+    "best_of": 1,
+    "suffix": "",
+    "n": 1,
+}
+
+
+class GenerationRequest(Schema):
+    model: NonEmptyStr
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stop: Stop | None = None
+    seed: Seed | None = None
+    n: PositiveInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1024)] | None = None
+    # Accepted so that a neutral value passes; anything else is field_not_honoured.
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+
+    @classmethod
+    def nested_schemas(cls):
+        return {"stream_options": StreamOptions}
+
+    def stop_sequences(self):
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) and self.stop else list(self.stop or [])
+
+    def include_usage(self):
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @classmethod
+    def nested_schemas(cls):
+        return {"messages": ChatMessage, "stream_options": StreamOptions}
+
+    def requested_max_tokens(self):
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+    def is_scoring(self):
+        return self.logprobs or self.allowed_token_ids is not None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)]]
+    max_tokens: PositiveInt | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self):
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def requested_max_tokens(self):
+        return self.max_tokens
+
+    def is_scoring(self):
+        return self.logprobs is not None or self.allowed_token_ids is not None
+
+
+class EmbeddingRequest(Schema):
+    model: NonEmptyStr
+    input: Union[NonEmptyStr, Annotated[list[NonEmptyStr], Field(min_length=1)]]
+    encoding_format: Literal["float", "base64"] = "float"
+    pooling: Literal["mean", "last", "cls"] = "mean"
+    normalize: StrictBool = False
+    dimensions: Any = None
+
+    def inputs(self):
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+SCHEMAS = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    endpoint: str
+    request: Schema
+    ignored: list[str] = field(default_factory=list)
+
+
+def decode_json(raw):
+    """Bytes to a JSON object, or the 400 the routes answer for malformed JSON."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text, parse_constant=_refuse_constant)
+    except UnicodeDecodeError as error:
+        raise ApiError(400, "invalid_json", f"Request body is not valid UTF-8: {error.reason} at byte {error.start}")
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "Request body is nested too deeply to parse")
+    except ValueError as error:
+        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {error}")
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def parse_strict_header(value):
+    """X-miLLM-Strict: true|1|false|0, case-insensitive; absent means the server default."""
+    if value is None:
+        return settings.MILLM_STRICT_DEFAULT
+    lowered = value.strip().lower()
+    if lowered in ("true", "1"):
+        return True
+    if lowered in ("false", "0"):
+        return False
+    raise ApiError(
+        400,
+        "invalid_parameter",
+        f"Invalid value for 'X-miLLM-Strict': expected true, 1, false or 0, got {value!r}",
+        param="X-miLLM-Strict",
+    )
+
+
+def parse_request(endpoint, body, strict, param_prefix=""):
+    """Validate one request body for `endpoint`.
+
+    1. The body must be a JSON object; JSON nulls mean "not sent" and are dropped.
+    2. Schema errors: 400 invalid_parameter naming the dotted path of the first.
+    3. Output-changing fields with a non-neutral value: 400 field_not_honoured.
+    4. Fields the endpoint would not use: refused in strict mode, else reported.
+    """
+    schema = SCHEMAS[endpoint]
+    if not isinstance(body, dict):
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for '{param_prefix.rstrip('.') or 'body'}': the request body must be a JSON object, "
+            f"got {_json_type(body)}",
+            param=param_prefix.rstrip(".") or None,
+        )
+    body = _drop_nulls(body)
+    try:
+        request = schema.model_validate(body)
+    except ValidationError as error:
+        raise _invalid_parameter(error, param_prefix) from None
+    _check_honoured(request, endpoint, param_prefix)
+    _check_scoring(request, param_prefix)
+    _check_consistency(request, param_prefix)
+    unused = _unused_fields(schema, body, [])
+    if unused and strict:
+        first = ".".join(str(part) for part in unused[0])
+        listed = ", ".join(_bracket_path(path) for path in unused)
+        raise ApiError(
+            400,
+            "unused_fields_refused",
+            f"Strict mode refuses fields this endpoint does not use: {listed}",
+            param=param_prefix + first,
+        )
+    return ParsedRequest(endpoint, request, [_bracket_path(path) for path in unused])
+
+
+def _json_type(value):
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _drop_nulls(value):
+    if isinstance(value, dict):
+        return {key: _drop_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(item) for item in value]
+    return value
+
+
+def _invalid_parameter(error, param_prefix):
+    # A union reports one error per member, tagged with the member's type name ("str",
+    # "list[TextPart]"). Drop the tags, then drop a member's error at a path that another
+    # member's deeper error explains (content=[{"type": "x"}] is a bad part, not "not a string").
+    issues = []
+    for item in error.errors(include_url=False):
+        path, tagged = _strip_union_tags(item["loc"])
+        issues.append((path, tagged, _reason(item)))
+    tagged_paths = [path for path, tagged, _ in issues if tagged]
+    kept = {}
+    for path, tagged, reason in issues:
+        if tagged and any(len(other) > len(path) and other[: len(path)] == path for other in tagged_paths):
+            continue
+        kept.setdefault(path, []).append(reason)
+    paths = sorted(kept, key=len, reverse=True) if len(kept) > 1 else list(kept)
+    first = paths[0]
+    param = param_prefix + ".".join(str(part) for part in first)
+    reason = " or ".join(dict.fromkeys(kept[first]))
+    message = f"Invalid value for '{param}': {reason}"
+    if len(paths) > 1:
+        message += f" (and {len(paths) - 1} more validation errors)"
+    return ApiError(400, "invalid_parameter", message, param=param)
+
+
+def _strip_union_tags(loc):
+    path, tagged = [], False
+    for part in loc:
+        if isinstance(part, str) and not part.isidentifier():
+            tagged = True  # "list[TextPart]", "function-after[...]"
+            continue
+        if isinstance(part, str) and part in ("str", "int", "float", "bool", "list", "dict", "TextPart"):
+            tagged = True
+            continue
+        path.append(part)
+    return tuple(path), tagged
+
+
+def _reason(item):
+    reason = item["msg"]
+    if item["type"] == "missing":
+        return "this field is required"
+    if item["type"] == "literal_error" or item["type"].startswith(("string_", "int_", "float_", "bool_", "list_")):
+        if "input" in item and not isinstance(item["input"], (dict, list)):
+            reason += f", got {json.dumps(item['input'])[:80]}"
+    return reason
+
+
+def _check_honoured(request, endpoint, param_prefix):
+    sent = request.model_fields_set
+    for name, neutral in NEUTRAL.items():
+        if name not in sent or name not in type(request).model_fields:
+            continue
+        value = getattr(request, name)
+        if value == neutral or (name == "suffix" and value == ""):
+            continue
+        raise ApiError(
+            400,
+            "field_not_honoured",
+            f"'{name}' = {json.dumps(value)[:200]} cannot be honoured by this server; "
+            f"send {json.dumps(neutral)} or leave it out",
+            param=param_prefix + name,
+        )
+    if endpoint == "/v1/embeddings" and "dimensions" in sent:
+        raise ApiError(
+            400,
+            "field_not_honoured",
+            f"'dimensions' = {json.dumps(request.dimensions)[:80]} cannot be honoured: embeddings have the "
+            "model's own width; leave it out",
+            param=param_prefix + "dimensions",
+        )
+
+
+def _check_scoring(request, param_prefix):
+    """Scoring mode (SPEC 4): one forward pass, so one token, one choice, no stream."""
+    if not isinstance(request, (ChatCompletionRequest, CompletionRequest)) or not request.is_scoring():
+        return
+    max_name = "max_tokens"
+    if isinstance(request, ChatCompletionRequest) and request.max_tokens is None:
+        max_name = "max_completion_tokens"
+    wanted = request.requested_max_tokens()
+    if wanted != 1:
+        got = "nothing" if wanted is None else str(wanted)
+        raise _scoring_error(param_prefix + max_name, f"scoring mode needs an explicit {max_name} of 1, got {got}")
+    if request.stream:
+        raise _scoring_error(param_prefix + "stream", "scoring mode cannot stream")
+    if 0 < request.temperature < 0.001:
+        raise _scoring_error(
+            param_prefix + "temperature", f"scoring mode needs temperature 0 or at least 0.001, got {request.temperature}"
+        )
+
+
+def _scoring_error(param, reason):
+    return ApiError(400, "invalid_parameter", f"Invalid value for '{param}': {reason}", param=param)
+
+
+def _check_consistency(request, param_prefix):
+    if isinstance(request, ChatCompletionRequest):
+        if (
+            request.max_tokens is not None
+            and request.max_completion_tokens is not None
+            and request.max_tokens != request.max_completion_tokens
+        ):
+            param = param_prefix + "max_completion_tokens"
+            raise ApiError(
+                400,
+                "invalid_parameter",
+                f"Invalid value for '{param}': {request.max_completion_tokens} differs from max_tokens "
+                f"{request.max_tokens}; send one of them",
+                param=param,
+            )
+        if request.top_logprobs is not None and not request.logprobs:
+            param = param_prefix + "top_logprobs"
+            raise ApiError(
+                400,
+                "invalid_parameter",
+                f"Invalid value for '{param}': top_logprobs needs logprobs: true",
+                param=param,
+            )
+    if isinstance(request, CompletionRequest) and request.stream and len(request.prompts()) > 1:
+        param = param_prefix + "prompt"
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for '{param}': a streamed completion takes one prompt, got {len(request.prompts())}",
+            param=param,
+        )
+    if isinstance(request, EmbeddingRequest) and len(request.inputs()) > settings.EMBEDDINGS_MAX_INPUTS:
+        param = param_prefix + "input"
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for '{param}': {len(request.inputs())} inputs, over the limit of "
+            f"{settings.EMBEDDINGS_MAX_INPUTS} (EMBEDDINGS_MAX_INPUTS)",
+            param=param,
+        )
+
+
+def _unused_fields(schema, data, prefix):
+    """Paths of the keys `schema` does not use, in request order."""
+    unused = []
+    nested = schema.nested_schemas()
+    for key, value in data.items():
+        if key not in schema.model_fields:
+            unused.append((*prefix, key))
+            continue
+        child = nested.get(key)
+        if child is None:
+            continue
+        if isinstance(value, dict):
+            unused.extend(_unused_fields(child, value, [*prefix, key]))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, dict):
+                    unused.extend(_unused_fields(child, item, [*prefix, key, index]))
+    return unused
+
+
+def _bracket_path(path):
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text

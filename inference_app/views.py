@@ -1,0 +1,131 @@
+"""Thin views: parse, call the gateway or one model query, render."""
+
+import json
+import time
+
+from django.conf import settings
+from django.http import HttpResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from inference_app import gateway, metrics
+from inference_app.catalogue import resolve
+from inference_app.errors import ApiError, json_response
+from inference_app.models import Engine, ModelEntry
+from inference_app.schemas import decode_json, parse_request, parse_strict_header
+
+
+def _require_json(request):
+    content_type = request.content_type or ""
+    if content_type != "application/json":
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Send the body as application/json (Content-Type: application/json), got {content_type or 'none'!r}",
+        )
+
+
+async def _infer(request, endpoint):
+    _require_json(request)
+    raw = request.body
+    strict = parse_strict_header(request.headers.get("X-miLLM-Strict"))
+    parsed = parse_request(endpoint, decode_json(raw), strict)
+    engine = await gateway.engine_for(parsed.request.model)
+    text = raw.decode("utf-8")
+    if getattr(parsed.request, "stream", False):
+        headers, messages = await gateway.open_stream(engine, endpoint, text, strict, request.request_id)
+        response = StreamingHttpResponse(_sse(messages), content_type="text/event-stream")
+        response["Cache-Control"] = "no-cache"
+        response["X-Accel-Buffering"] = "no"
+        for name, value in headers.items():
+            response[name] = value
+        return response
+    body, headers = await gateway.call(engine, endpoint, text, strict, request.request_id)
+    return json_response(body, headers=headers)
+
+
+async def _sse(messages):
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
+    try:
+        async for chunk in messages:
+            yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    except ApiError as error:
+        yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+@csrf_exempt
+@require_POST
+async def chat_completions(request):
+    return await _infer(request, "/v1/chat/completions")
+
+
+@csrf_exempt
+@require_POST
+async def completions(request):
+    return await _infer(request, "/v1/completions")
+
+
+@csrf_exempt
+@require_POST
+async def embeddings(request):
+    return await _infer(request, "/v1/embeddings")
+
+
+@require_GET
+def models_list(request):
+    data = [entry.to_openai() for entry in ModelEntry.objects.order_by("-created_at", "-id")]
+    return json_response({"object": "list", "data": data})
+
+
+@require_GET
+def model_detail(request, model_id):
+    return json_response(resolve(model_id).to_openai())
+
+
+@require_GET
+def health(request):
+    return json_response({"status": "ok", "version": settings.VERSION, "timestamp": int(time.time())})
+
+
+@require_GET
+def health_detailed(request):
+    engines = list(Engine.objects.all())
+    live = [engine for engine in engines if engine.alive]
+    active = [engine for engine in live if engine.role == Engine.Role.ACTIVE and engine.resident_model_id]
+    serving = active[0] if active else None
+    return json_response(
+        {
+            "status": "ok" if serving else "degraded",
+            "version": settings.VERSION,
+            "timestamp": int(time.time()),
+            "model_loaded": serving is not None,
+            "model_name": serving.resident_model_id if serving else None,
+            "lease": None,
+            "engines": [engine.to_health() for engine in engines],
+            "inference": {
+                "backend": "serial",
+                "queue_pending": sum(engine.queue_waiting + engine.in_flight for engine in active),
+                "queue_max_concurrent": settings.MAX_CONCURRENT_REQUESTS,
+                "queue_max_pending": settings.MAX_PENDING_REQUESTS,
+                "in_flight": sum(engine.in_flight for engine in active),
+                "queue_waiting": sum(engine.queue_waiting for engine in active),
+                "estimated_wait_seconds": serving.estimated_wait_seconds if serving else None,
+                # Unknown until the batch runner reports it: null, never a fake 0.
+                "batch_backlog_rows": _backlog(active),
+            },
+        }
+    )
+
+
+def _backlog(engines):
+    figures = [engine.batch_backlog_rows for engine in engines]
+    if not figures or any(value is None for value in figures):
+        return None
+    return sum(figures)
+
+
+@require_GET
+def metrics_view(request):
+    return HttpResponse(metrics.render(), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,222 @@
+"""Cross-cutting HTTP behaviour: request ids, bearer keys, the error envelopes, metrics, and a
+body-size guard that refuses a declared oversize body before it is read."""
+
+import hmac
+import json
+import logging
+import re
+import time
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+
+from inference_app import metrics
+from inference_app.errors import (
+    ApiError,
+    error_response,
+    internal_error,
+    method_not_allowed,
+    not_found_route,
+    request_too_large,
+)
+from inference_app.models import new_id
+
+log = logging.getLogger("millm.web")
+
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_HEALTH_PATHS = ("/api/health",)
+_UPLOAD_PATHS = ("/v1/files",)
+
+
+def is_v1(path):
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def is_management(path):
+    return path.startswith("/api/") and not path.startswith(_HEALTH_PATHS)
+
+
+def needs_key(path):
+    return is_v1(path) or is_management(path) or path == "/metrics"
+
+
+def render_error(path, error, request_id=None):
+    response = error_response(error, management=is_management(path))
+    return finish_headers(response, request_id)
+
+
+def finish_headers(response, request_id):
+    if request_id:
+        response["X-Request-ID"] = request_id
+    # Deterministic refusals: the SDK must not resend them.
+    if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+        response["x-should-retry"] = "false"
+    return response
+
+
+class Middleware:
+    """Base for middleware that works under both WSGI and ASGI without a thread hop."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+
+    def __call__(self, request):
+        if self.is_async:
+            return self._acall(request)
+        early = self.before(request)
+        if early is not None:
+            return self.after(request, early)
+        return self.after(request, self.get_response(request))
+
+    async def _acall(self, request):
+        early = self.before(request)
+        if early is not None:
+            return self.after(request, early)
+        return self.after(request, await self.get_response(request))
+
+    def before(self, request):
+        return None
+
+    def after(self, request, response):
+        return response
+
+
+class RequestIdMiddleware(Middleware):
+    """X-Request-ID on every response (the caller's if sane), x-should-retry, and metrics."""
+
+    def before(self, request):
+        sent = request.headers.get("X-Request-ID", "")
+        request.request_id = sent if _REQUEST_ID.match(sent) else new_id("req_")
+        request.millm_started = time.monotonic()
+
+    def after(self, request, response):
+        route = metrics.route_label(request)
+        metrics.requests_total.labels(route, request.method, str(response.status_code)).inc()
+        metrics.request_seconds.labels(route).observe(time.monotonic() - request.millm_started)
+        return finish_headers(response, request.request_id)
+
+
+class ApiErrorMiddleware(Middleware):
+    """Every /v1 and /api error in its envelope (SPEC 2), framework errors included."""
+
+    def after(self, request, response):
+        path = request.path
+        if response.status_code < 400 or getattr(response, "millm_envelope", False):
+            return response
+        if not (is_v1(path) or is_management(path)):
+            return response
+        if response.status_code == 404:
+            error = not_found_route(request.method, path)
+        elif response.status_code == 405:
+            allowed = [method.strip() for method in response.get("Allow", "").split(",") if method.strip()]
+            error = method_not_allowed(request.method, path, allowed)
+            wrapped = error_response(error, management=is_management(path))
+            wrapped["Allow"] = response.get("Allow", "")
+            return wrapped
+        elif response.status_code == 403:
+            error = ApiError(403, "forbidden", _reason(response) or "Forbidden")
+        elif response.status_code >= 500:
+            error = internal_error()
+        else:
+            error = ApiError(response.status_code, "invalid_request", _reason(response) or "Bad request")
+        return error_response(error, management=is_management(path))
+
+    def process_exception(self, request, exception):
+        path = request.path
+        if not (is_v1(path) or is_management(path)):
+            return None
+        if isinstance(exception, ApiError):
+            error = exception
+        elif isinstance(exception, RequestDataTooBig):
+            error = request_too_large(request.META.get("CONTENT_LENGTH") or "over the limit", settings.MILLM_MAX_BODY_BYTES)
+        else:
+            log.exception("unhandled error on %s %s", request.method, path, exc_info=exception)
+            error = internal_error()
+        return error_response(error, management=is_management(path))
+
+
+def _reason(response):
+    try:
+        return response.content.decode("utf-8", "replace").strip()[:200]
+    except Exception:
+        return ""
+
+
+class ApiKeyMiddleware(Middleware):
+    """With MILLM_API_KEYS set, every route but health and the admin needs a bearer key."""
+
+    def before(self, request):
+        keys = settings.MILLM_API_KEYS
+        if not keys or not needs_key(request.path):
+            return None
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if token and key_is_valid(token, keys):
+            return None
+        reason = "wrong" if token else "missing"
+        return render_error(
+            request.path,
+            ApiError(
+                401,
+                "invalid_api_key",
+                f"The bearer key is {reason}: send Authorization: Bearer <key> with a key from MILLM_API_KEYS",
+            ),
+            request.request_id,
+        )
+
+
+def key_is_valid(token, keys):
+    # Compared in constant time against every key, so timing says nothing about which matched.
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token.encode(), key.encode())
+    return matched
+
+
+class BodyLimitASGI:
+    """Refuse a declared Content-Length over MILLM_MAX_BODY_BYTES before reading the body.
+
+    Uploads have their own limit (BATCH_MAX_FILE_BYTES), enforced by the Files API.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not scope["path"].startswith(_UPLOAD_PATHS):
+            declared = _content_length(scope)
+            if declared is not None and declared > settings.MILLM_MAX_BODY_BYTES:
+                await self._refuse(scope, send, request_too_large(declared, settings.MILLM_MAX_BODY_BYTES))
+                return
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, scope, send, error):
+        management = is_management(scope["path"])
+        body = json.dumps(error.management_body() if management else error.body()).encode()
+        sent_id = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", (sent_id if _REQUEST_ID.match(sent_id) else new_id("req_")).encode()),
+            (b"x-should-retry", b"false"),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope):
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

@@ -1,0 +1,159 @@
+"""miServer settings: every value from the environment (SPEC section 11).
+
+A bad value raises ImproperlyConfigured naming the variable, so start-up stops at once.
+"""
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from millm_site.env import envbool, envchoice, envfloat, envint, envlist, envstr
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VERSION = "0.1.0"
+
+SECRET_KEY = envstr("DJANGO_SECRET_KEY", "millm-insecure-development-key-set-DJANGO_SECRET_KEY")
+DEBUG = envbool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = envlist("DJANGO_ALLOWED_HOSTS") or ["*"]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "inference_app",
+    "files_app",
+    "batches_app",
+]
+
+MIDDLEWARE = [
+    "millm_site.middleware.RequestIdMiddleware",
+    "millm_site.middleware.ApiErrorMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "millm_site.middleware.ApiKeyMiddleware",
+]
+
+ROOT_URLCONF = "millm_site.urls"
+ASGI_APPLICATION = "millm_site.asgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# PostgreSQL only: the batch runner relies on SKIP LOCKED, advisory locks and row-level
+# compare-and-set, none of which another database gives the same way.
+DATABASE_URL = envstr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/millm")
+try:
+    _database = dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)
+except ValueError as error:
+    raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {error}") from None
+if _database["ENGINE"] != "django.db.backends.postgresql":
+    raise ImproperlyConfigured(f"DATABASE_URL must be a PostgreSQL URL, got {DATABASE_URL!r}")
+DATABASES = {"default": _database}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = envstr("REDIS_URL", "redis://127.0.0.1:6379/0")
+CHANNEL_PREFIX = envstr("MILLM_CHANNEL_PREFIX", "millm")
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {
+            "hosts": [REDIS_URL],
+            "prefix": CHANNEL_PREFIX,
+            # A streamed answer sends one message per token; the default of 100 is too few.
+            "capacity": 10_000,
+            "expiry": 60,
+        },
+    },
+}
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+# --- miServer (SPEC section 11) ---
+MILLM_DATA_DIR = Path(envstr("MILLM_DATA_DIR", str(BASE_DIR / "var"))).resolve()
+MILLM_MODEL = envstr("MILLM_MODEL")  # None: the packaged SmolLM2 GGUF
+MILLM_MODEL_ID = envstr("MILLM_MODEL_ID")
+MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
+MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
+MILLM_STORAGE = envchoice("MILLM_STORAGE", "filesystem", ["filesystem", "s3"])
+MILLM_API_KEYS = envlist("MILLM_API_KEYS")
+MILLM_MAX_BODY_BYTES = envint("MILLM_MAX_BODY_BYTES", 33_554_432, minimum=1024)
+MILLM_REQUEST_TIMEOUT_S = envfloat("MILLM_REQUEST_TIMEOUT_S", 600.0, minimum=0.1)
+MILLM_STRICT_DEFAULT = envbool("MILLM_STRICT_DEFAULT", False)
+
+ENGINE_HEARTBEAT_S = envfloat("ENGINE_HEARTBEAT_S", 2.0, minimum=0.1)
+ENGINE_STALE_S = envfloat("ENGINE_STALE_S", 10.0, minimum=0.5)
+if ENGINE_STALE_S <= ENGINE_HEARTBEAT_S:
+    raise ImproperlyConfigured(
+        f"ENGINE_STALE_S ({ENGINE_STALE_S}) must be greater than ENGINE_HEARTBEAT_S ({ENGINE_HEARTBEAT_S})"
+    )
+
+MAX_CONCURRENT_REQUESTS = envint("MAX_CONCURRENT_REQUESTS", 1, minimum=1, maximum=64)
+MAX_PENDING_REQUESTS = envint("MAX_PENDING_REQUESTS", 10, minimum=1)
+EMBEDDINGS_MAX_INPUTS = envint("EMBEDDINGS_MAX_INPUTS", 128, minimum=1)
+PROBE_SCORE_MAX_INPUTS = envint("PROBE_SCORE_MAX_INPUTS", 64, minimum=1)
+PROBE_SCORE_MAX_PROBES = envint("PROBE_SCORE_MAX_PROBES", 8, minimum=1)
+
+BATCH_MAX_ROWS = envint("BATCH_MAX_ROWS", 50_000, minimum=1)
+BATCH_MAX_FILE_BYTES = envint("BATCH_MAX_FILE_BYTES", 209_715_200, minimum=1)
+BATCH_MAX_LINE_BYTES = envint("BATCH_MAX_LINE_BYTES", 1_048_576, minimum=1)
+BATCH_MAX_COMPLETION_WINDOW_HOURS = envint("BATCH_MAX_COMPLETION_WINDOW_HOURS", 168, minimum=1)
+BATCH_CHUNK_ROWS = envint("BATCH_CHUNK_ROWS", 8, minimum=1)
+BATCH_PACK_MAX_ROWS = envint("BATCH_PACK_MAX_ROWS", 16, minimum=1)
+BATCH_PACK_MAX_TOKENS = envint("BATCH_PACK_MAX_TOKENS", 16_384, minimum=1)
+BATCH_PACK_DEFAULT = envbool("BATCH_PACK_DEFAULT", False)
+BATCH_PACK_WINDOW_DEFAULT = envint("BATCH_PACK_WINDOW_DEFAULT", 0, minimum=0)
+BATCH_PACK_WINDOW_MAX = envint("BATCH_PACK_WINDOW_MAX", 1024, minimum=0)
+BATCH_LEASE_TTL_S = envint("BATCH_LEASE_TTL_S", 900, minimum=3)
+BATCH_PROGRESS_MIN_INTERVAL_S = envfloat("BATCH_PROGRESS_MIN_INTERVAL_S", 1.0, minimum=0)
+BATCH_FILE_RETENTION_DAYS = envint("BATCH_FILE_RETENTION_DAYS", 30, minimum=1)
+BATCH_RETENTION_INTERVAL_S = envint("BATCH_RETENTION_INTERVAL_S", 3600, minimum=1)
+BATCH_WAIT_POLL_S = envfloat("BATCH_WAIT_POLL_S", 5.0, minimum=0.05)
+
+# Bodies other than uploads: Django refuses a larger one with RequestDataTooBig (413 here).
+DATA_UPLOAD_MAX_MEMORY_SIZE = MILLM_MAX_BODY_BYTES
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("MILLM_LOG_LEVEL", "INFO")},
+    "loggers": {"httpx": {"level": "WARNING"}},
+}

@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny random model made by `createtestmodel`, loaded through the production
+loader. No test mocks the model, the database or the engine."""
+
+import fcntl
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_MODEL_DIR = ROOT / "var" / "test-models" / "tiny-llama"
+
+
+def build_test_model():
+    """The tiny model, written once and reused (its weights come from a fixed seed)."""
+    TEST_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    with open(TEST_MODEL_DIR.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (TEST_MODEL_DIR / "model.safetensors").exists():
+            staging = TEST_MODEL_DIR.with_name("tiny-llama.partial")
+            call_command("createtestmodel", str(staging))
+            staging.rename(TEST_MODEL_DIR)
+    return TEST_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def test_model_dir():
+    return build_test_model()
+
+
+@pytest.fixture(scope="session")
+def resident(test_model_dir):
+    """The tiny model as the engine holds it: loaded by the production loader."""
+    from inference_app.catalogue import model_source
+    from inference_app.engine.loader import load_model
+    from inference_app.engine.runtime import ResidentModel
+
+    return ResidentModel(load_model(model_source(str(test_model_dir))))

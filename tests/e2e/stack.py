@@ -1,0 +1,148 @@
+"""Real processes for end-to-end tests: uvicorn (web) and runbatchworker (engine) against
+PostgreSQL and Redis, in a database of their own so that nothing else disturbs them."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    def __init__(self, name, args, env, log_dir):
+        self.name = name
+        self.log_path = Path(log_dir) / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def alive(self):
+        return self.popen.poll() is None
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout=30):
+        if self.alive:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+    def kill(self):
+        if self.alive:
+            self.popen.kill()
+            self.popen.wait()
+        self._log.close()
+
+
+class Stack:
+    """One database and channel prefix; any number of web and engine processes on them."""
+
+    def __init__(self, work_dir, model_dir, **settings):
+        self.work_dir = Path(work_dir)
+        self.model_dir = Path(model_dir)
+        self.tag = f"{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self.db_name = f"millm_e2e_{self.tag}"
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "millm_site.settings",
+            "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{self.db_name}",
+            "REDIS_URL": "redis://127.0.0.1:6379/0",
+            "MILLM_CHANNEL_PREFIX": f"millm-e2e-{self.tag}",
+            "MILLM_MODEL": str(self.model_dir),
+            "MILLM_DATA_DIR": str(self.work_dir / "data"),
+            "ENGINE_HEARTBEAT_S": "0.5",
+            "ENGINE_STALE_S": "3",
+            "PYTHONUNBUFFERED": "1",
+            **{key: str(value) for key, value in settings.items()},
+        }
+        self.env.pop("MILLM_API_KEYS", None)
+        self.processes = []
+
+    def create_database(self):
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.db_name)))
+        subprocess.run(
+            [PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=self.env, check=True
+        )
+
+    def drop_database(self):
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.db_name)))
+
+    def start_engine(self, **settings):
+        env = {**self.env, **{key: str(value) for key, value in settings.items()}}
+        process = Process("engine", [PYTHON, "manage.py", "runbatchworker"], env, self.work_dir)
+        self.processes.append(process)
+        return process
+
+    def start_web(self, **settings):
+        env = {**self.env, **{key: str(value) for key, value in settings.items()}}
+        port = free_port()
+        args = [
+            PYTHON, "-m", "uvicorn", "millm_site.asgi:application",
+            "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+        ]
+        process = Process("web", args, env, self.work_dir)
+        process.url = f"http://127.0.0.1:{port}"
+        self.processes.append(process)
+        wait_until(lambda: _answers(process.url + "/api/health"), 60, f"web did not start:\n{process.log()}", process)
+        return process
+
+    def wait_for_model(self, web, model_id, timeout=120, engine=None):
+        def ready():
+            detailed = httpx.get(web.url + "/api/health/detailed", timeout=5).json()
+            return any(e["alive"] and e["role"] == "active" and e["model"] == model_id for e in detailed["engines"])
+
+        wait_until(ready, timeout, f"no active engine for {model_id}", engine)
+
+    def engines(self, web):
+        return httpx.get(web.url + "/api/health/detailed", timeout=5).json()["engines"]
+
+    def close(self):
+        for process in reversed(self.processes):
+            process.stop()
+        self.drop_database()
+
+
+def _answers(url):
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_until(check, timeout, message, process=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and not process.alive:
+            raise AssertionError(f"{message}: {process.name} exited\n{process.log()[-4000:]}")
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{message} (after {timeout} s)" + (f"\n{process.log()[-4000:]}" if process else ""))

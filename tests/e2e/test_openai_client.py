@@ -1,0 +1,157 @@
+"""The official openai client, with strict response validation, against real web and engine."""
+
+import base64
+import struct
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MODEL_ID, make_client
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+def test_chat_answers_with_text_usage_and_provenance(client):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL_ID, messages=MESSAGES, max_tokens=8, seed=7)
+    completion = raw.parse()
+    assert completion.object == "chat.completion"
+    assert completion.id.startswith("chatcmpl-") and len(completion.id) == len("chatcmpl-") + 24
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].message.content
+    assert completion.choices[0].finish_reason in ("length", "stop")
+    assert completion.usage.completion_tokens <= 8
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+    assert completion.system_fingerprint == f"millm:{MODEL_ID}@unrecorded:float32/none:transformers"
+    assert raw.headers["X-miLLM-Model"] == MODEL_ID
+    assert raw.headers["X-miLLM-Backend"] == "serial"
+    assert raw.headers["X-miLLM-Seed"] == '7;scope="request"'
+    assert raw.headers["X-miLLM-Batch"] == "1"
+    assert raw.headers["X-Request-ID"].startswith("req_")
+    assert "X-miLLM-Ignored-Fields" not in raw.headers
+
+
+def test_a_seed_makes_sampling_repeatable(client):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=MODEL_ID, messages=MESSAGES, max_tokens=12, temperature=1.5, seed=seed
+        ).choices[0].message.content
+
+    assert sample(11) == sample(11)
+    assert len({sample(11), sample(12), sample(13)}) > 1
+
+
+def test_streamed_chat_equals_the_whole_answer(client):
+    whole = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL_ID, messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == whole.choices[0].message.content
+    finals = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert finals == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_answer_one_choice_per_prompt(client):
+    completion = client.completions.create(model=MODEL_ID, prompt=["Once upon", "A long"], max_tokens=5, temperature=0)
+    assert completion.object == "text_completion"
+    assert [choice.index for choice in completion.choices] == [0, 1]
+    assert all(choice.text for choice in completion.choices)
+    single = client.completions.create(model=MODEL_ID, prompt="A long", max_tokens=5, temperature=0)
+    assert single.choices[0].text == completion.choices[1].text
+
+
+def test_streamed_completion_equals_the_whole_answer(client, stack):
+    whole = client.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=10, temperature=0)
+    # The SDK parses legacy completion chunks with its Completion type, whose finish_reason is
+    # not nullable; OpenAI itself sends null until the last chunk, and so do we, since clients
+    # detect the end by it. So this one stream is read without strict validation.
+    lenient = make_client(stack.web.url, strict=False)
+    chunks = list(lenient.completions.create(model=MODEL_ID, prompt="Once upon", max_tokens=10, temperature=0, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == whole.choices[0].text
+    assert [chunk.choices[0].finish_reason for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_embeddings_in_float_and_base64_agree(client):
+    as_float = client.embeddings.create(model=MODEL_ID, input=["hello there", "general kenobi"], encoding_format="float")
+    as_base64 = client.embeddings.with_raw_response.create(model=MODEL_ID, input=["hello there", "general kenobi"])
+    assert [item.index for item in as_float.data] == [0, 1]
+    raw = as_base64.http_response.json()
+    decoded = struct.unpack(f"<{len(as_float.data[0].embedding)}f", base64.b64decode(raw["data"][0]["embedding"]))
+    assert list(decoded) == pytest.approx(as_float.data[0].embedding, abs=0)
+    assert len(as_float.data[0].embedding) == 64
+    assert as_float.usage.prompt_tokens == as_float.usage.total_tokens > 0
+    assert as_base64.headers["X-miLLM-Model"] == MODEL_ID
+
+
+def test_models_lists_the_resident_model(client):
+    listed = client.models.list()
+    assert MODEL_ID in [model.id for model in listed.data]
+    assert client.models.retrieve(MODEL_ID).owned_by == "millm"
+
+
+def test_an_unknown_model_is_404_naming_it(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+    assert caught.value.code == "model_not_found"
+    assert caught.value.param == "model"
+    assert "'no-such-model'" in caught.value.message
+    assert caught.value.response.headers["x-should-retry"] == "false"
+
+
+def test_non_strict_mode_reports_unused_fields_in_request_order(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "hi", "name": "ada"}],
+        max_tokens=2,
+        user="someone",
+        extra_body={"foo": 1},
+    )
+    raw.parse()
+    assert raw.headers["X-miLLM-Ignored-Fields"] == '"messages[0].name", "user", "foo"'
+
+
+def test_strict_mode_refuses_unused_fields_naming_every_one(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": "hi", "name": "ada"}],
+            max_tokens=2,
+            user="someone",
+            extra_headers={"X-miLLM-Strict": "true"},
+        )
+    assert caught.value.code == "unused_fields_refused"
+    assert caught.value.param == "messages.0.name"
+    assert "messages[0].name" in caught.value.message and "user" in caught.value.message
+
+
+def test_a_field_the_server_cannot_honour_is_refused_in_every_mode(client):
+    for strict in ("false", "true"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL_ID, messages=MESSAGES, max_tokens=2, presence_penalty=0.5,
+                extra_headers={"X-miLLM-Strict": strict},
+            )
+        assert caught.value.code == "field_not_honoured"
+        assert caught.value.param == "presence_penalty"
+    # The neutral value changes nothing, so it is accepted.
+    client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, presence_penalty=0)
+
+
+def test_embeddings_refuse_dimensions(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=MODEL_ID, input="hi", dimensions=8)
+    assert caught.value.code == "field_not_honoured"
+    assert caught.value.param == "dimensions"
+
+
+def test_a_prompt_over_the_context_is_refused_naming_both_numbers(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL_ID, prompt="hello " * 300, max_tokens=900)
+    error = caught.value
+    assert error.code == "context_length_exceeded"
+    assert "1024" in error.message and "900" in error.message
