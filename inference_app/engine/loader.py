@@ -90,6 +90,11 @@ def _gguf_cache(source):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
         model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        # The tensors are already de-quantized; the GGUF "quantizer" left on the model is only a
+        # marker, and transformers refuses to save while it is there.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "millm-source.json").write_text(

@@ -1,0 +1,98 @@
+"""The admission slot: arrival order, interactive before batch, queue_full, Retry-After."""
+
+import asyncio
+
+import pytest
+
+from inference_app.engine.admission import AdmissionSlot, QueueFull
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_interactive_requests_go_before_a_waiting_batch_chunk():
+    async def scenario():
+        slot = AdmissionSlot(1, 10)
+        order = []
+        await slot.acquire(interactive=True)
+
+        async def take(name, interactive):
+            async with slot.hold(interactive):
+                order.append(name)
+
+        batch = asyncio.create_task(take("batch", False))
+        await asyncio.sleep(0)
+        first = asyncio.create_task(take("chat-1", True))
+        second = asyncio.create_task(take("chat-2", True))
+        await asyncio.sleep(0)
+        slot.release(True, 0.1)
+        await asyncio.gather(batch, first, second)
+        return order
+
+    assert run(scenario()) == ["chat-1", "chat-2", "batch"]
+
+
+def test_a_batch_chunk_is_never_refused_nor_counted_as_pending():
+    async def scenario():
+        slot = AdmissionSlot(1, 1)
+        await slot.acquire(interactive=False)
+        assert slot.pending == 0
+        waiter = asyncio.create_task(slot.acquire(interactive=True))
+        await asyncio.sleep(0)
+        assert slot.pending == 1
+        with pytest.raises(QueueFull):
+            await slot.acquire(interactive=True)
+        slot.release(False, 1.0)
+        await waiter
+        return slot
+
+    slot = run(scenario())
+    assert slot.interactive_holding == 1
+
+
+def test_queue_full_when_waiting_plus_holding_reaches_the_limit():
+    async def scenario():
+        slot = AdmissionSlot(1, 2)
+        await slot.acquire()
+        waiter = asyncio.create_task(slot.acquire())
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as caught:
+            await slot.acquire()
+        waiter.cancel()
+        return caught.value
+
+    full = run(scenario())
+    assert (full.pending, full.limit, full.retry_after) == (2, 2, 5)
+
+
+def test_retry_after_is_the_median_hold_times_the_queue_clamped():
+    slot = AdmissionSlot(1, 10)
+    for seconds in (1.0, 2.0, 30.0):
+        slot._hold_seconds.append(seconds)
+    slot.holding, slot._interactive = 1, []
+    assert slot.retry_after() == 2
+    slot.holding = 100
+    assert slot.retry_after() == 60
+    slot._hold_seconds.clear()
+    slot._hold_seconds.append(0.001)
+    slot.holding = 1
+    assert slot.retry_after() == 1
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_the_slot_moves_on():
+    async def scenario():
+        slot = AdmissionSlot(1, 10)
+        await slot.acquire()
+        gone = asyncio.create_task(slot.acquire())
+        stays = asyncio.create_task(slot.acquire())
+        await asyncio.sleep(0)
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert slot.waiting == 1
+        slot.release(True, 0.01)
+        await stays
+        return slot
+
+    slot = run(scenario())
+    assert slot.holding == 1 and slot.waiting == 0
