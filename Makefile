@@ -27,7 +27,7 @@ run: db
 	bin/run
 
 web: db
-	$(VENV)/bin/uvicorn millm_site.asgi:application --host $(HOST) --port $(PORT)
+	$(VENV)/bin/uvicorn millm_site.asgi:application --host $(HOST) --port $(PORT) --lifespan off
 
 engine: db
 	$(PY) manage.py runbatchworker

@@ -79,7 +79,12 @@ def chat_completion(runtime, parsed, cancelled=never_cancelled):
         return ServiceResult(_chat_score(runtime, request, prompt_ids), headers_for(runtime, parsed))
     max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
     text, finish_reason, produced = _generate_text(runtime, request, prompt_ids, max_tokens, cancelled)
-    body = {
+    body = _chat_body(runtime, text, finish_reason, _usage(len(prompt_ids), produced))
+    return ServiceResult(body, headers_for(runtime, parsed))
+
+
+def _chat_body(runtime, content, finish_reason, usage, logprobs=None):
+    return {
         "id": new_id("chatcmpl-"),
         "object": "chat.completion",
         "created": int(time.time()),
@@ -88,14 +93,13 @@ def chat_completion(runtime, parsed, cancelled=never_cancelled):
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "message": {"role": "assistant", "content": content, "refusal": None},
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
-        "usage": _usage(len(prompt_ids), produced),
+        "usage": usage,
     }
-    return ServiceResult(body, headers_for(runtime, parsed))
 
 
 def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
@@ -136,22 +140,8 @@ def _chat_score(runtime, request, prompt_ids):
     )
     entry = _token_entry(runtime, chosen, logprob)
     entry["top_logprobs"] = [_token_entry(runtime, token_id, value) for token_id, value in top]
-    return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": runtime.model_id,
-        "system_fingerprint": runtime.fingerprint,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": runtime.token_string(chosen), "refusal": None},
-                "logprobs": {"content": [entry], "refusal": None},
-                "finish_reason": "length",
-            }
-        ],
-        "usage": _usage(len(prompt_ids), 1),
-    }
+    logprobs = {"content": [entry], "refusal": None}
+    return _chat_body(runtime, runtime.token_string(chosen), "length", _usage(len(prompt_ids), 1), logprobs)
 
 
 # --- completions ---

@@ -103,7 +103,7 @@ class Stack:
         port = free_port()
         args = [
             PYTHON, "-m", "uvicorn", "millm_site.asgi:application",
-            "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+            "--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--lifespan", "off",
         ]
         process = Process("web", args, env, self.work_dir)
         process.url = f"http://127.0.0.1:{port}"
