@@ -118,6 +118,11 @@ class Stack:
 
         wait_until(ready, timeout, f"no active engine for {model_id}", engine)
 
+    def engine_id(self, model_id=None):
+        """The id of the live active engine of the stack's model."""
+        model_id = model_id or self.model_dir.name
+        return next(e["id"] for e in self.engines(self.web) if e["role"] == "active" and e["model"] == model_id and e["alive"])
+
     def engines(self, web):
         return httpx.get(web.url + "/api/health/detailed", timeout=5).json()["engines"]
 

@@ -1,0 +1,57 @@
+"""Health, metrics, and requests whose caller left or whose timeout passed."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL_ID
+from tests.e2e.stack import wait_until
+
+LONG = {"model": MODEL_ID, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 700, "temperature": 0}
+
+
+def test_health_is_bare_and_detailed_reports_engines_and_queue(stack):
+    assert httpx.get(stack.web.url + "/api/health").json()["status"] == "ok"
+    detailed = httpx.get(stack.web.url + "/api/health/detailed").json()
+    assert detailed["model_loaded"] is True and detailed["model_name"] == MODEL_ID
+    assert isinstance(detailed["timestamp"], int)
+    engine = next(e for e in detailed["engines"] if e["model"] == MODEL_ID and e["role"] == "active")
+    assert engine["alive"] is True and isinstance(engine["last_heartbeat"], int)
+    inference = detailed["inference"]
+    assert inference["backend"] == "serial"
+    assert inference["queue_max_pending"] == 3  # this stack's MAX_PENDING_REQUESTS
+    assert inference["batch_backlog_rows"] is None  # unknown until batches exist, never a fake 0
+    assert {"queue_pending", "queue_max_concurrent", "in_flight", "queue_waiting", "estimated_wait_seconds"} <= set(inference)
+
+
+def test_metrics_are_prometheus_text_with_requests_and_engines(stack, client):
+    client.models.list()
+    response = httpx.get(stack.web.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    assert 'millm_http_requests_total{method="GET",route="v1/models",status="200"}' in response.text
+    assert f'millm_engine_alive{{engine="{stack.engine_id()}",model="{MODEL_ID}"}} 1.0' in response.text
+
+
+def test_a_request_whose_caller_left_is_dropped_before_it_runs(stack):
+    holder = threading.Thread(target=lambda: httpx.post(stack.web.url + "/v1/chat/completions", json=LONG, timeout=60))
+    holder.start()
+    time.sleep(0.3)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.web.url + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=0.5)
+    holder.join()
+    wait_until(lambda: "its caller left" in stack.engine.log(), 10, "the engine did not drop the abandoned request")
+
+
+def test_a_request_past_its_timeout_is_504_and_dropped(stack):
+    web = stack.start_web(MILLM_REQUEST_TIMEOUT_S=0.5)
+    holder = threading.Thread(target=lambda: httpx.post(stack.web.url + "/v1/chat/completions", json=LONG, timeout=60))
+    holder.start()
+    time.sleep(0.3)
+    response = httpx.post(web.url + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=30)
+    holder.join()
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "request_timeout"
+    assert "MILLM_REQUEST_TIMEOUT_S" in response.json()["error"]["message"]
+    web.stop()
