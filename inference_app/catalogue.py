@@ -82,3 +82,33 @@ def resolve(name):
 
 def model_not_found(name, message, param="model"):
     return ApiError(404, "model_not_found", message, param=param)
+
+
+def model_not_resident(model_id, resident):
+    where = f"the resident model is '{resident}'" if resident else "no model is resident"
+    return ApiError(
+        409,
+        "model_not_resident",
+        f"The model '{model_id}' is not loaded and X-miLLM-Load-Policy is refuse; {where}. "
+        f"Send X-miLLM-Load-Policy: auto, or load it with POST /api/models/{model_id}/load",
+        param="model",
+    )
+
+
+def model_not_loaded(detail="No model is resident; load one with POST /api/models/{id}/load"):
+    return ApiError(503, "model_not_loaded", detail, retry_after=5)
+
+
+def parse_load_policy(value):
+    """X-miLLM-Load-Policy: auto (the default) or refuse, case-insensitive."""
+    if value is None or value.strip() == "":
+        return "auto"
+    policy = value.strip().lower()
+    if policy not in ("auto", "refuse"):
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for 'X-miLLM-Load-Policy': expected auto or refuse, got {value!r}",
+            param="X-miLLM-Load-Policy",
+        )
+    return policy

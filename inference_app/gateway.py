@@ -13,7 +13,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
-from inference_app.catalogue import resolve
+from inference_app.catalogue import model_not_loaded, model_not_resident, resolve
 from inference_app.errors import ApiError
 from inference_app.models import Engine
 
@@ -29,13 +29,58 @@ def engine_unavailable(model_id):
 
 
 @sync_to_async
-def engine_for(model_name):
-    """Resolve the request's model by the catalogue rules, then find its live active engine."""
+def engine_for(model_name, load_policy="auto"):
+    """Resolve the request's model by the catalogue rules, then pick the engine to send it to:
+    the one serving or loading it; else (load policy auto) one that will load it."""
     entry = resolve(model_name)
-    engine = Engine.objects.serving(entry.id)
+    engine = Engine.objects.serving(entry.id) or Engine.objects.loading(entry.id)
+    if engine is not None:
+        return engine
+    engines = list(Engine.objects.live().active())
+    if load_policy == "refuse":
+        resident = ", ".join(e.resident_model_id for e in engines if e.resident_model_id) or None
+        raise model_not_resident(entry.id, resident)
+    engine = autoload_candidate(entry.id, engines)
     if engine is None:
         raise engine_unavailable(entry.id)
     return engine
+
+
+def autoload_candidate(model_id, engines):
+    """The engine that should load `model_id`: one started for it, an idle one, or the only one."""
+    for engine in engines:
+        if engine.model_id == model_id:
+            return engine
+    for engine in engines:
+        if not engine.resident_model_id and not engine.loading_model_id:
+            return engine
+    if len(engines) > 1:
+        raise model_not_loaded(
+            f"The model '{model_id}' is not loaded and {len(engines)} engines serve other models; "
+            f"choose one with POST /api/models/{model_id}/load {{\"engine\": ...}}"
+        )
+    return engines[0] if engines else None
+
+
+@sync_to_async
+def engine_with_resident_model(model_id=None):
+    """For probe scoring (which names no model): the engine serving `model_id`, or the only one."""
+    if model_id is not None:
+        engine = Engine.objects.serving(model_id)
+        if engine is None:
+            raise engine_unavailable(model_id)
+        return engine
+    engines = [e for e in Engine.objects.live().active() if e.resident_model_id]
+    if not engines:
+        raise model_not_loaded()
+    if len(engines) > 1:
+        raise ApiError(
+            400,
+            "invalid_probe_score_request",
+            "Several engines have a resident model; name probe_ids to choose which model scores",
+            details={"field": "probe_ids"},
+        )
+    return engines[0]
 
 
 @sync_to_async
@@ -46,7 +91,7 @@ def _engine_alive(engine_id):
 class Forwarded:
     """One request in flight to an engine, and the reply channel its answer comes back on."""
 
-    def __init__(self, engine, endpoint, raw_body, strict, request_id, stream):
+    def __init__(self, engine, endpoint, raw_body, strict, request_id, stream, extra=None):
         self.engine = engine
         self.layer = get_channel_layer()
         self.request_id = request_id
@@ -59,6 +104,7 @@ class Forwarded:
             "strict": strict,
             "stream": stream,
             "deadline": self.deadline,
+            **(extra or {}),
         }
         self.reply = None
         self.finished = False
@@ -95,9 +141,9 @@ class Forwarded:
         await self.layer.send(self.engine.channel, {"type": "cancel", "id": self.request_id})
 
 
-async def call(engine, endpoint, raw_body, strict, request_id):
+async def call(engine, endpoint, raw_body, strict, request_id, extra=None):
     """Forward a non-streamed request; returns (body, headers) or raises the engine's ApiError."""
-    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=False)
+    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=False, extra=extra)
     try:
         await forwarded.send()
         message = await forwarded.next_message()
@@ -110,9 +156,9 @@ async def call(engine, endpoint, raw_body, strict, request_id):
     return message["body"], message["headers"]
 
 
-async def open_stream(engine, endpoint, raw_body, strict, request_id):
+async def open_stream(engine, endpoint, raw_body, strict, request_id, extra=None):
     """Forward a streamed request; returns (headers, async iterator of messages) once it starts."""
-    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=True)
+    forwarded = Forwarded(engine, endpoint, raw_body, strict, request_id, stream=True, extra=extra)
     try:
         await forwarded.send()
         first = await forwarded.next_message()
@@ -138,3 +184,14 @@ async def _stream_messages(forwarded):
     finally:
         if not forwarded.finished:
             await asyncio.shield(forwarded.cancel())
+
+
+async def control(engine, message_type, request_id, **fields):
+    """A load or unload: the engine checks it, acknowledges, then runs it in the background."""
+    forwarded = Forwarded(engine, None, None, None, request_id, stream=False, extra={"type": message_type, **fields})
+    await forwarded.send()
+    message = await forwarded.next_message()
+    forwarded.finished = True
+    if message["type"] == "error":
+        raise ApiError.from_wire(message["error"])
+    return message["body"]

@@ -162,6 +162,58 @@ class EmbeddingRequest(Schema):
         return [self.input] if isinstance(self.input, str) else list(self.input)
 
 
+class ManagementSchema(BaseModel):
+    """Management bodies (/api): unknown keys are refused, naming them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProbeInput(ManagementSchema):
+    text: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    prompt_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+
+    def kind(self):
+        return next(name for name in ("text", "messages", "token_ids") if getattr(self, name) is not None)
+
+
+class ProbeScoreRequest(ManagementSchema):
+    probe_ids: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    inputs: Annotated[list[ProbeInput], Field(min_length=1)]
+    windows: Annotated[list[Literal["all", "prompt", "response"]], Field(min_length=1)] = ["all"]
+    return_token_ids: StrictBool = False
+
+
+class ProbeImport(ManagementSchema):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    model: NonEmptyStr
+    layer: Annotated[StrictInt, Field(ge=0)]
+    weights: Annotated[list[Annotated[float, Field(allow_inf_nan=False)]], Field(min_length=1)]
+    bias: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    norm_mean: Union[Annotated[float, Field(allow_inf_nan=False)], list[Annotated[float, Field(allow_inf_nan=False)]]] = 0.0
+    norm_std: Union[Annotated[float, Field(gt=0, allow_inf_nan=False)], list[Annotated[float, Field(gt=0, allow_inf_nan=False)]]] = 1.0
+    aggregation: Literal["mean", "max", "last"]
+    threshold: Annotated[float, Field(allow_inf_nan=False)] | None = None
+
+
+class LeaseRequest(ManagementSchema):
+    holder: Annotated[StrictStr, Field(min_length=1, max_length=128)]
+    reason: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    ttl_seconds: Annotated[StrictInt, Field(ge=1, le=7200)] = 7200
+
+
+class ModelRegistration(ManagementSchema):
+    source: NonEmptyStr
+    id: Annotated[StrictStr, Field(min_length=1, max_length=255)] | None = None
+
+
+class LoadRequest(ManagementSchema):
+    engine: NonEmptyStr | None = None
+
+
+PROBE_SCORE = "/api/probes/score"
+
 SCHEMAS = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
@@ -218,6 +270,10 @@ def parse_request(endpoint, body, strict, param_prefix=""):
     3. Output-changing fields with a non-neutral value: 400 field_not_honoured.
     4. Fields the endpoint would not use: refused in strict mode, else reported.
     """
+    if endpoint == PROBE_SCORE:
+        request = parse_management(ProbeScoreRequest, body, "invalid_probe_score_request", param_prefix)
+        _check_probe_score(request, param_prefix)
+        return ParsedRequest(endpoint, request, [])
     schema = SCHEMAS[endpoint]
     if not isinstance(body, dict):
         raise ApiError(
@@ -246,6 +302,54 @@ def parse_request(endpoint, body, strict, param_prefix=""):
             param=param_prefix + first,
         )
     return ParsedRequest(endpoint, request, [_bracket_path(path) for path in unused])
+
+
+def parse_management(schema, body, code, param_prefix=""):
+    """Validate a management body; errors are `code` naming the dotted field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, code, f"The body must be a JSON object, got {_json_type(body)}", details={"field": None})
+    try:
+        return schema.model_validate(_drop_nulls(body))
+    except ValidationError as error:
+        invalid = _invalid_parameter(error, param_prefix)
+        raise ApiError(400, code, invalid.message, param=invalid.param, details={"field": invalid.param}) from None
+
+
+def _check_probe_score(request, param_prefix):
+    code = "invalid_probe_score_request"
+    limits = (
+        ("inputs", len(request.inputs), settings.PROBE_SCORE_MAX_INPUTS, "PROBE_SCORE_MAX_INPUTS"),
+        ("probe_ids", len(request.probe_ids or ()), settings.PROBE_SCORE_MAX_PROBES, "PROBE_SCORE_MAX_PROBES"),
+    )
+    for name, count, limit, setting in limits:
+        if count > limit:
+            param = param_prefix + name
+            raise ApiError(
+                400, code, f"Invalid value for '{param}': {count} items, over the limit of {limit} ({setting})",
+                param=param, details={"field": param},
+            )
+    for index, item in enumerate(request.inputs):
+        given = [name for name in ("text", "messages", "token_ids") if getattr(item, name) is not None]
+        param = f"{param_prefix}inputs.{index}"
+        if len(given) != 1:
+            raise ApiError(
+                400, code,
+                f"Invalid value for '{param}': send exactly one of text, messages or token_ids, got "
+                f"{', '.join(given) or 'none'}",
+                param=param, details={"field": param},
+            )
+        if item.prompt_tokens is not None and item.token_ids is None:
+            raise ApiError(
+                400, code, f"Invalid value for '{param}.prompt_tokens': prompt_tokens goes with token_ids",
+                param=f"{param}.prompt_tokens", details={"field": f"{param}.prompt_tokens"},
+            )
+        if item.token_ids is not None and (item.prompt_tokens or 0) > len(item.token_ids):
+            raise ApiError(
+                400, code,
+                f"Invalid value for '{param}.prompt_tokens': {item.prompt_tokens} is more than the "
+                f"{len(item.token_ids)} token_ids",
+                param=f"{param}.prompt_tokens", details={"field": f"{param}.prompt_tokens"},
+            )
 
 
 def _json_type(value):
@@ -303,6 +407,8 @@ def _reason(item):
     reason = item["msg"]
     if item["type"] == "missing":
         return "this field is required"
+    if item["type"] == "extra_forbidden":
+        return "unknown field"
     if item["type"] == "literal_error" or item["type"].startswith(("string_", "int_", "float_", "bool_", "list_")):
         if "input" in item and not isinstance(item["input"], (dict, list)):
             reason += f", got {json.dumps(item['input'])[:80]}"

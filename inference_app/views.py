@@ -10,9 +10,10 @@ from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inference_app import gateway, metrics
-from inference_app.catalogue import resolve
+from inference_app.catalogue import parse_load_policy, resolve
+from inference_app.leases import LEASE_HEADER
 from inference_app.errors import ApiError, json_response
-from inference_app.models import Engine, ModelEntry
+from inference_app.models import Engine, Lease, ModelEntry
 from inference_app.schemas import decode_json, parse_request, parse_strict_header
 
 
@@ -30,18 +31,20 @@ async def _infer(request, endpoint):
     _require_json(request)
     raw = request.body
     strict = parse_strict_header(request.headers.get("X-miLLM-Strict"))
+    policy = parse_load_policy(request.headers.get("X-miLLM-Load-Policy"))
     parsed = parse_request(endpoint, decode_json(raw), strict)
-    engine = await gateway.engine_for(parsed.request.model)
+    engine = await gateway.engine_for(parsed.request.model, policy)
     text = raw.decode("utf-8")
+    extra = {"load_policy": policy, "lease": request.headers.get(LEASE_HEADER)}
     if getattr(parsed.request, "stream", False):
-        headers, messages = await gateway.open_stream(engine, endpoint, text, strict, request.request_id)
+        headers, messages = await gateway.open_stream(engine, endpoint, text, strict, request.request_id, extra)
         response = StreamingHttpResponse(_sse(messages), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"
         for name, value in headers.items():
             response[name] = value
         return response
-    body, headers = await gateway.call(engine, endpoint, text, strict, request.request_id)
+    body, headers = await gateway.call(engine, endpoint, text, strict, request.request_id, extra)
     return json_response(body, headers=headers)
 
 
@@ -102,7 +105,7 @@ def health_detailed(request):
             "timestamp": int(time.time()),
             "model_loaded": serving is not None,
             "model_name": serving.resident_model_id if serving else None,
-            "lease": None,
+            "lease": _lease_status(serving),
             "engines": [engine.to_health() for engine in engines],
             "inference": {
                 "backend": "serial",
@@ -117,6 +120,11 @@ def health_detailed(request):
             },
         }
     )
+
+
+def _lease_status(engine):
+    lease = Lease.objects.on_model(engine.resident_model_id) if engine else None
+    return lease.status() if lease else None  # the status, never the id
 
 
 def _backlog(engines):

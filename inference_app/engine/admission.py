@@ -70,9 +70,13 @@ class AdmissionSlot:
         finally:
             self.release(interactive, time.monotonic() - started)
 
-    async def acquire(self, interactive=True):
-        """Wait for the slot; raises QueueFull for an interactive request over the limit."""
-        if interactive and self.pending >= self.max_pending:
+    async def acquire(self, interactive=True, limited=True):
+        """Wait for the slot; raises QueueFull for an interactive request over the limit.
+
+        limited=False is for the engine's own model swaps: they queue with interactive requests
+        but are never refused.
+        """
+        if interactive and limited and self.pending >= self.max_pending:
             raise QueueFull(self.retry_after(), self.pending, self.max_pending)
         if self.holding < self.slots and not self.waiting and (interactive or not self.background_waiting):
             self._grant(interactive)

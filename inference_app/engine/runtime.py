@@ -107,6 +107,20 @@ class ResidentModel:
             return int(order[choice])
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    @property
+    def num_layers(self):
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self):
+        return int(self.model.config.hidden_size)
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids):
+        """transformers' hidden_states for one unpadded input: [embeddings, block 0, ..., block n-1]."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        return self.model.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+
     @torch.inference_mode()
     def embed(self, token_ids, pooling, normalize):
         """The last hidden layer pooled over the input's own tokens, as float32."""

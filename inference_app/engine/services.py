@@ -22,6 +22,7 @@ from inference_app.provenance import provenance_headers
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+PROBE_SCORE = "/api/probes/score"
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
@@ -36,9 +37,11 @@ def never_cancelled():
     return False
 
 
-def run(runtime, parsed, cancelled=never_cancelled):
-    """Answer one non-streamed request."""
+def run(runtime, parsed, cancelled=never_cancelled, probes=None):
+    """Answer one non-streamed request (`probes`: the specs a probe-score request scores)."""
     check_model(runtime, parsed)
+    if parsed.endpoint == PROBE_SCORE:
+        return probe_score(runtime, parsed, probes)
     if parsed.endpoint == CHAT:
         return chat_completion(runtime, parsed, cancelled)
     if parsed.endpoint == COMPLETIONS:
@@ -298,6 +301,109 @@ def encode_vector(vector, encoding_format):
     if encoding_format == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")
     return values.astype(np.float64).tolist()
+
+
+# --- probes ---
+
+
+def probe_score(runtime, parsed, probes):
+    """Score each input with each probe over each window (SPEC 4).
+
+    One input per forward pass, never padded. Every input is checked before any forward pass.
+    """
+    request = parsed.request
+    prepared = [_probe_tokens(runtime, item, index) for index, item in enumerate(request.inputs)]
+    readers = [_ProbeReader(spec, runtime.device) for spec in probes]
+    results = []
+    for index, (token_ids, prompt_tokens) in enumerate(prepared):
+        states = runtime.hidden_states(token_ids)
+        verdicts = []
+        for reader in readers:
+            per_token = reader.per_token(states[reader.layer + 1][0])
+            for window in request.windows:
+                verdicts.append(reader.verdict(per_token, window, prompt_tokens))
+        result = {"index": index, "n_tokens": len(token_ids), "prompt_tokens": prompt_tokens, "verdicts": verdicts}
+        if request.return_token_ids:
+            result["token_ids"] = token_ids
+        results.append(result)
+    body = {"success": True, "data": {"model": {"id": runtime.model_id}, "results": results}, "error": None}
+    return ServiceResult(body, provenance_headers(runtime.model_id, PROBE_SCORE))
+
+
+def _probe_tokens(runtime, item, index):
+    """(token ids, prompt/response boundary) of one probe input."""
+    param = f"inputs.{index}"
+    if item.text is not None:
+        token_ids = runtime.encode(item.text)
+        prompt_tokens = len(token_ids)
+    elif item.messages is not None:
+        token_ids = runtime.encode(runtime.render_chat(item.messages))
+        if item.messages[-1].role == "assistant" and len(item.messages) > 1:
+            # The prompt is everything before the final assistant turn, rendered as the model
+            # would see it when asked to answer.
+            prompt_tokens = len(runtime.encode(runtime.render_chat(item.messages[:-1])))
+        elif item.messages[-1].role == "assistant":
+            prompt_tokens = 0
+        else:
+            prompt_tokens = len(token_ids)
+    else:
+        token_ids = list(item.token_ids)
+        outside = [token for token in token_ids if token >= runtime.vocab_size]
+        if outside:
+            raise ApiError(
+                400,
+                "invalid_probe_score_request",
+                f"Invalid value for '{param}.token_ids': {outside[0]} is outside the vocabulary of "
+                f"{runtime.vocab_size} tokens",
+                param=f"{param}.token_ids",
+                details={"field": f"{param}.token_ids"},
+            )
+        prompt_tokens = item.prompt_tokens if item.prompt_tokens is not None else len(token_ids)
+    if not token_ids:
+        raise ApiError(400, "invalid_probe_score_request", f"Invalid value for '{param}': it has no tokens",
+                       param=param, details={"field": param})
+    if len(token_ids) > runtime.context_length:
+        raise ApiError(
+            400,
+            "context_length_exceeded",
+            f"Input {index} is {len(token_ids)} tokens, over this model's maximum context length of "
+            f"{runtime.context_length} tokens; nothing was truncated",
+            param=param,
+            details={"field": param, "tokens": len(token_ids), "limit": runtime.context_length},
+        )
+    return token_ids, min(prompt_tokens, len(token_ids))
+
+
+class _ProbeReader:
+    """((h - norm_mean) / norm_std) . weights + bias per token, aggregated over a window."""
+
+    def __init__(self, spec, device):
+        self.spec = spec
+        self.layer = spec["layer"]
+        self.weights = torch.tensor(spec["weights"], dtype=torch.float32, device=device)
+        self.mean = torch.tensor(spec["norm_mean"], dtype=torch.float32, device=device)
+        self.std = torch.tensor(spec["norm_std"], dtype=torch.float32, device=device)
+        self.bias = float(spec["bias"])
+
+    def per_token(self, hidden):
+        return ((hidden.float() - self.mean) / self.std) @ self.weights + self.bias
+
+    def verdict(self, per_token, window, prompt_tokens):
+        spec = self.spec
+        selected = {"all": per_token, "prompt": per_token[:prompt_tokens], "response": per_token[prompt_tokens:]}[window]
+        entry = {"probe_id": spec["id"], "name": spec["name"], "window": window, "threshold": spec["threshold"]}
+        if selected.numel() == 0:
+            reason = "the input has no response tokens" if window == "response" else "the input has no prompt tokens"
+            return {**entry, "score": None, "verdict": None, "not_scored_reason": reason}
+        aggregation = spec["aggregation"]
+        if aggregation == "mean":
+            score = float(selected.mean())
+        elif aggregation == "max":
+            score = float(selected.max())
+        else:
+            score = float(selected[-1])
+        verdict = None if spec["threshold"] is None else score >= spec["threshold"]
+        return {**entry, "score": score, "verdict": verdict}
 
 
 # --- generation helpers ---

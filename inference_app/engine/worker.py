@@ -10,6 +10,7 @@ sync thread (sync_to_async); forward passes run in the model executor, one per s
 """
 
 import asyncio
+import gc
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -27,13 +29,15 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from inference_app.catalogue import ModelSource, model_not_found, model_not_loaded, model_not_resident
 from inference_app.engine import services
 from inference_app.engine.admission import AdmissionSlot, QueueFull
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
 from inference_app.errors import ApiError, internal_error
-from inference_app.models import Engine, ModelEntry, new_id
-from inference_app.schemas import decode_json, parse_request
+from inference_app.leases import check_lease_allows
+from inference_app.models import Engine, Lease, ModelEntry, Probe, new_id
+from inference_app.schemas import PROBE_SCORE, decode_json, parse_request
 from millm_site.db import conninfo
 
 log = logging.getLogger("millm.engine")
@@ -55,6 +59,8 @@ class Worker:
         self.slot = AdmissionSlot(settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS)
         self.executor = ThreadPoolExecutor(settings.MAX_CONCURRENT_REQUESTS, thread_name_prefix="model")
         self.runtime = None
+        self.loading_model_id = None
+        self.swap_lock = None
         self.role = Engine.Role.STANDBY
         self.requests = {}
         self.stopping = None
@@ -88,45 +94,118 @@ class Worker:
         ).fetchone()
         return bool(row[0])
 
-    def load(self):
-        """Load the model, mark it resident in the catalogue, and become the active engine."""
-        entry, _ = ModelEntry.objects.update_or_create(
-            id=self.source.model_id,
-            defaults={
-                "kind": ModelEntry.Kind.CATALOGUE,
-                "source": str(self.source.path),
-                "source_format": self.source.format,
-                "quantization": self.source.quantization,
-                "state": ModelEntry.State.LOADING,
-                "state_detail": "",
-            },
+    def activate(self):
+        """Start-up, once the advisory lock is ours: a restart ends every lease of the model,
+        and catalogue states left by a dead engine are corrected."""
+        live = list(Engine.objects.live().values_list("pk", flat=True))
+        Lease.objects.filter(model_id=self.source.model_id).end_all("engine restarted")
+        Lease.objects.exclude(engine_id__in=live).end_all("engine restarted")
+        serving = Engine.objects.live().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
+        ModelEntry.objects.filter(state__in=["resident", "loading", "unloading"]).exclude(id__in=list(serving)).update(
+            state=ModelEntry.State.AVAILABLE
         )
+        self.role = Engine.Role.ACTIVE
+        Engine.objects.filter(pk=self.engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
+
+    def load(self, model_id=None):
+        """Make `model_id` (default: the engine's own model) the resident model.
+
+        1. Unload the resident model, if any (its leases end).
+        2. Mark the entry loading, load through the production loader, mark it resident.
+        """
+        entry, source = self._entry_and_source(model_id)
+        self.unload_resident("the model was swapped out")
+        ModelEntry.objects.filter(pk=entry.pk).update(state=ModelEntry.State.LOADING, state_detail="")
+        Engine.objects.filter(pk=self.engine_id).update(loading_model_id=entry.pk)
         close_old_connections()
         try:
-            loaded = load_model(self.source)
+            loaded = load_model(source)
         except Exception as error:
             ModelEntry.objects.filter(pk=entry.pk).update(state=ModelEntry.State.ERROR, state_detail=str(error)[:2000])
+            Engine.objects.filter(pk=self.engine_id).update(loading_model_id=None)
             raise
         close_old_connections()
-        self.runtime = ResidentModel(loaded)
+        self.runtime = ResidentModel(loaded, model_id=entry.pk)
         ModelEntry.objects.filter(pk=entry.pk).update(
             state=ModelEntry.State.RESIDENT,
             revision=loaded.revision,
             dtype=self.runtime.dtype_name,
             context_length=self.runtime.context_length,
+            hidden_size=self.runtime.hidden_size,
+            num_layers=self.runtime.num_layers,
+        )
+        Engine.objects.filter(pk=self.engine_id).update(
+            role=Engine.Role.ACTIVE, resident_model_id=entry.pk, loading_model_id=None, heartbeat_at=timezone.now()
         )
         self.role = Engine.Role.ACTIVE
-        Engine.objects.filter(pk=self.engine_id).update(
-            role=Engine.Role.ACTIVE, resident_model_id=self.runtime.model_id, heartbeat_at=timezone.now()
-        )
         return self.runtime
+
+    def _entry_and_source(self, model_id):
+        if model_id is None or model_id == self.source.model_id:
+            entry, _ = ModelEntry.objects.update_or_create(
+                id=self.source.model_id,
+                defaults={
+                    "source": str(self.source.path),
+                    "source_format": self.source.format,
+                    "quantization": self.source.quantization,
+                },
+            )
+            return entry, self.source
+        entry = ModelEntry.objects.get(pk=model_id)
+        return entry, ModelSource(Path(entry.source), entry.source_format, entry.pk, entry.quantization)
+
+    def unload_resident(self, reason):
+        """Drop the resident model: its leases end and its entry is available again."""
+        if self.runtime is None:
+            return
+        model_id = self.runtime.model_id
+        self.runtime = None
+        gc.collect()
+        if torch_cuda_available():
+            import torch
+
+            torch.cuda.empty_cache()
+        Lease.objects.filter(model_id=model_id).end_all(reason)
+        Engine.objects.filter(pk=self.engine_id).update(resident_model_id=None)
+        if not Engine.objects.live().exclude(pk=self.engine_id).filter(resident_model_id=model_id).exists():
+            ModelEntry.objects.filter(pk=model_id).update(state=ModelEntry.State.AVAILABLE)
+
+    def probes_for(self, request):
+        """The probe specs a probe-score request scores, checked against the resident model."""
+        model_id = self.runtime.model_id
+        if request.probe_ids:
+            found = {probe.pk: probe for probe in Probe.objects.filter(pk__in=request.probe_ids)}
+            missing = [probe_id for probe_id in request.probe_ids if probe_id not in found]
+            if missing:
+                raise ApiError(404, "probe_not_found", f"No probe has the id '{missing[0]}'", param="probe_ids")
+            probes = [found[probe_id] for probe_id in request.probe_ids]
+            wrong = [probe for probe in probes if probe.model_id != model_id]
+            if wrong:
+                raise ApiError(
+                    409,
+                    "probe_model_mismatch",
+                    f"Probe '{wrong[0].pk}' was made for '{wrong[0].model_id}', but the resident model is '{model_id}'",
+                    details={"mismatches": [{"field": "model", "expected": model_id, "actual": wrong[0].model_id}]},
+                )
+        else:
+            probes = list(Probe.objects.filter(model_id=model_id).order_by("created_at")[: settings.PROBE_SCORE_MAX_PROBES])
+            if not probes:
+                raise ApiError(
+                    400,
+                    "invalid_probe_score_request",
+                    f"The resident model '{model_id}' has no probes; import one with POST /api/probes",
+                    details={"field": "probe_ids"},
+                )
+        return [probe.spec() for probe in probes]
 
     def heartbeat(self):
         close_old_connections()
+        runtime = self.runtime
         figures = {
             "heartbeat_at": timezone.now(),
             "role": self.role,
-            "resident_model_id": self.runtime.model_id if self.runtime else None,
+            "resident_model_id": runtime.model_id if runtime else None,
+            "loading_model_id": self.loading_model_id,
             "queue_waiting": self.slot.waiting,
             "in_flight": self.slot.holding,
             "estimated_wait_seconds": self.slot.estimated_wait_seconds(),
@@ -138,11 +217,8 @@ class Worker:
 
     def unregister(self):
         close_old_connections()
+        self.unload_resident("the engine stopped")
         Engine.objects.filter(pk=self.engine_id).delete()
-        if self.runtime is not None and not Engine.objects.live().filter(resident_model_id=self.runtime.model_id):
-            ModelEntry.objects.filter(pk=self.runtime.model_id, state=ModelEntry.State.RESIDENT).update(
-                state=ModelEntry.State.AVAILABLE
-            )
         if self._lock_connection is not None:
             self._lock_connection.close()
             self._lock_connection = None
@@ -157,6 +233,7 @@ class Worker:
         2. Wait for the model's advisory lock (another engine may hold it), then load.
         3. Answer forwarded requests until SIGTERM; then finish what is in flight and leave."""
         self.stopping = asyncio.Event()
+        self.swap_lock = asyncio.Lock()
         self._install_signal_handlers()
         await sync_to_async(self.register)()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
@@ -164,7 +241,8 @@ class Worker:
             if not await self._wait_for_lock():
                 return
             log.info("engine %s is active for %s; loading", self.engine_id, self.source.model_id)
-            await asyncio.get_running_loop().run_in_executor(self.executor, self._load_in_thread)
+            await sync_to_async(self.activate)()
+            await self.swap(self.source.model_id)
             log.info("engine %s serving %s on %s", self.engine_id, self.runtime.model_id, self.channel)
             await self._consume()
             await self._drain()
@@ -174,9 +252,29 @@ class Worker:
             self.executor.shutdown(wait=False, cancel_futures=True)
             log.info("engine %s stopped", self.engine_id)
 
-    def _load_in_thread(self):
+    async def swap(self, model_id):
+        """Load `model_id` (None: unload) once the slot is free; requests queue behind it."""
+        async with self.swap_lock:
+            current = self.runtime.model_id if self.runtime else None
+            if current == model_id:
+                return
+            self.loading_model_id = model_id
+            await self.slot.acquire(interactive=True, limited=False)
+            started = time.monotonic()
+            try:
+                await asyncio.get_running_loop().run_in_executor(self.executor, self._swap_in_thread, model_id)
+            finally:
+                self.slot.release(True, None)
+                self.loading_model_id = None
+            log.info("engine %s: %s in %.1f s", self.engine_id,
+                     f"loaded {model_id}" if model_id else f"unloaded {current}", time.monotonic() - started)
+
+    def _swap_in_thread(self, model_id):
         try:
-            self.load()
+            if model_id is None:
+                self.unload_resident("the model was unloaded")
+            else:
+                self.load(model_id)
         finally:
             connection.close()  # this thread's connection; the DB thread keeps its own
 
@@ -228,6 +326,28 @@ class Worker:
             task.add_done_callback(lambda _: self.requests.pop(message["id"], None))
         elif kind == "cancel":
             self.cancel(message["id"])
+        elif kind in ("load", "unload"):
+            asyncio.create_task(self._control(message))
+
+    async def _control(self, message):
+        """A load or unload from the management routes: checked, acknowledged, then run."""
+        layer = get_channel_layer()
+        target = message.get("model_id") if message["type"] == "load" else None
+        try:
+            current = self.runtime.model_id if self.runtime else None
+            if target is not None and not await sync_to_async(ModelEntry.objects.filter(pk=target).exists)():
+                raise model_not_found(target, f"The model '{target}' is not in the catalogue")
+            if target != current:
+                action = "loading another model" if target else "unloading it"
+                await sync_to_async(check_lease_allows)(current, message.get("lease"), action)
+        except ApiError as error:
+            await _send(layer, message["reply"], {"type": "error", "error": error.to_wire()})
+            return
+        await _send(layer, message["reply"], {"type": "result", "body": {"engine": self.engine_id}, "headers": {}})
+        try:
+            await self.swap(target)
+        except Exception:
+            log.exception("%s of %s failed", message["type"], target or current)
 
     def cancel(self, request_id):
         """The caller left: drop the request if it waits; stop generating if it runs."""
@@ -250,19 +370,32 @@ class Worker:
         flight = self.requests.get(message["id"]) or _InFlight(None)
         try:
             parsed = parse_request(message["endpoint"], decode_json(message["body"]), message["strict"])
-            remaining = message["deadline"] - time.time()
-            if remaining <= 0:
-                return  # the caller has already been told it timed out
-            try:
-                async with asyncio.timeout(remaining):
-                    await self.slot.acquire(interactive=True)
-            except TimeoutError:
-                log.info("dropped request %s: its timeout passed while it waited", message["id"])
-                return
+            probes = None
+            while True:
+                if parsed.endpoint == PROBE_SCORE:
+                    if self.runtime is None:
+                        raise model_not_loaded()
+                    probes = await sync_to_async(self.probes_for)(parsed.request)
+                    wanted = self.runtime.model_id
+                else:
+                    wanted = parsed.request.model
+                    await self._ensure_model(wanted, message)
+                remaining = message["deadline"] - time.time()
+                if remaining <= 0:
+                    return  # the caller has already been told it timed out
+                try:
+                    async with asyncio.timeout(remaining):
+                        await self.slot.acquire(interactive=True)
+                except TimeoutError:
+                    log.info("dropped request %s: its timeout passed while it waited", message["id"])
+                    return
+                if self.runtime is not None and self.runtime.model_id == wanted:
+                    break
+                self.slot.release(True, None)  # a swap ran while we waited: check again
             started = time.monotonic()
             try:
                 flight.running = True
-                await self._run_in_model_thread(message, parsed, flight, reply)
+                await self._run_in_model_thread(message, parsed, flight, reply, probes)
             finally:
                 self.slot.release(True, time.monotonic() - started)
         except QueueFull as full:
@@ -275,12 +408,33 @@ class Worker:
             log.exception("request %s failed", message["id"])
             await _send(layer, reply, {"type": "error", "error": internal_error().to_wire()})
 
-    async def _run_in_model_thread(self, message, parsed, flight, reply):
+    async def _ensure_model(self, model_id, message):
+        """Make `model_id` resident for a /v1 request: wait for a swap to it, or (load policy
+        auto, no other holder's lease) swap to it; a batch never calls this."""
+        while not (self.runtime is not None and self.runtime.model_id == model_id):
+            if self.swap_lock.locked():
+                async with self.swap_lock:
+                    continue
+            entry = await sync_to_async(ModelEntry.objects.filter(pk=model_id).first)()
+            if entry is None:
+                raise model_not_found(model_id, f"The model '{model_id}' does not exist")
+            current = self.runtime.model_id if self.runtime else None
+            if message.get("load_policy") == "refuse":
+                raise model_not_resident(model_id, current)
+            await sync_to_async(check_lease_allows)(current, message.get("lease"), "loading another model")
+            try:
+                await self.swap(model_id)
+            except Exception as error:
+                raise ApiError(503, "model_not_loaded", f"Loading '{model_id}' failed: {error}", retry_after=5) from error
+
+    async def _run_in_model_thread(self, message, parsed, flight, reply, probes=None):
         loop = asyncio.get_running_loop()
         if message.get("stream"):
             work = loop.run_in_executor(self.executor, self._pump_stream, parsed, flight.cancelled, reply, loop)
         else:
-            work = loop.run_in_executor(self.executor, services.run, self.runtime, parsed, flight.cancelled.is_set)
+            work = loop.run_in_executor(
+                self.executor, services.run, self.runtime, parsed, flight.cancelled.is_set, probes
+            )
         # The slot is held until the thread is done, even if this task is cancelled meanwhile:
         # two forward passes must never overlap on one slot.
         try:
@@ -336,6 +490,12 @@ class _InFlight:
         self.task = task
         self.cancelled = threading.Event()
         self.running = False
+
+
+def torch_cuda_available():
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _queue_full(full):

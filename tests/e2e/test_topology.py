@@ -8,35 +8,47 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MODEL_ID, make_client
-from tests.e2e.stack import wait_until
+from tests.e2e.stack import Stack, wait_until
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 
 
-def test_without_a_live_engine_requests_are_503_engine_unavailable(stack, client):
-    doomed = stack.start_engine(MILLM_MODEL_ID="tiny-doomed")
-    stack.wait_for_model(stack.web, "tiny-doomed", engine=doomed)
-    assert client.chat.completions.create(model="tiny-doomed", messages=MESSAGES, max_tokens=2).choices
+@pytest.fixture
+def isolated(tmp_path, test_model_dir):
+    """A stack of its own: stopping its only engine leaves no engine that could auto-load."""
+    stack = Stack(tmp_path, test_model_dir)
+    stack.create_database()
+    try:
+        stack.engine = stack.start_engine()
+        stack.web = stack.start_web()
+        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_without_a_live_engine_requests_are_503_engine_unavailable(isolated):
+    client = make_client(isolated.web.url)
+    assert client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2).choices
 
     # A clean stop removes the engine at once.
-    assert doomed.stop() == 0
+    assert isolated.engine.stop() == 0
     with pytest.raises(openai.InternalServerError) as caught:
-        client.chat.completions.create(model="tiny-doomed", messages=MESSAGES, max_tokens=2)
+        client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2)
     assert caught.value.status_code == 503
     assert caught.value.code == "engine_unavailable"
     assert "runbatchworker" in caught.value.message
     assert int(caught.value.response.headers["Retry-After"]) >= 1
 
 
-def test_a_killed_engine_is_503_once_its_heartbeat_is_stale(stack, client):
-    doomed = stack.start_engine(MILLM_MODEL_ID="tiny-killed")
-    stack.wait_for_model(stack.web, "tiny-killed", engine=doomed)
-    doomed.popen.send_signal(signal.SIGKILL)
-    doomed.popen.wait()
+def test_a_killed_engine_is_503_once_its_heartbeat_is_stale(isolated):
+    client = make_client(isolated.web.url)
+    isolated.engine.popen.send_signal(signal.SIGKILL)
+    isolated.engine.popen.wait()
 
     def refused():
         try:
-            client.chat.completions.create(model="tiny-killed", messages=MESSAGES, max_tokens=2)
+            client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2)
         except openai.InternalServerError as error:
             return error.code == "engine_unavailable"
         return False

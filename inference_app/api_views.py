@@ -1,0 +1,263 @@
+"""Management routes under /api: the model catalogue and lifecycle, leases, probes.
+
+Answers are `{"success": true, "data": ..., "error": null}`; refusals raise ApiError, which the
+middleware renders in the management envelope.
+"""
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.db import IntegrityError
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_http_methods
+
+from inference_app import gateway
+from inference_app.catalogue import model_not_loaded, model_source
+from inference_app.errors import ApiError, json_response
+from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
+from inference_app.models import Engine, Lease, ModelEntry, Probe, new_id
+from inference_app.schemas import (
+    PROBE_SCORE,
+    LeaseRequest,
+    LoadRequest,
+    ModelRegistration,
+    ProbeImport,
+    decode_json,
+    parse_management,
+    parse_request,
+)
+
+
+def ok(data, status=200, headers=None):
+    return json_response({"success": True, "data": data, "error": None}, status=status, headers=headers)
+
+
+def api_route(*methods):
+    def decorate(view):
+        return csrf_exempt(require_http_methods(list(methods))(view))
+
+    return decorate
+
+
+def _body(request, schema, code):
+    raw = request.body
+    if not raw.strip():
+        return parse_management(schema, {}, code)
+    if request.content_type != "application/json":
+        raise ApiError(415, "unsupported_media_type", f"Send application/json, got {request.content_type or 'none'!r}")
+    return parse_management(schema, decode_json(raw), code)
+
+
+def _entry(model_id):
+    entry = ModelEntry.objects.filter(pk=model_id).first()
+    if entry is None:
+        raise ApiError(404, "model_not_found", f"The model '{model_id}' is not in the catalogue", param="model")
+    return entry
+
+
+# --- the catalogue and lifecycle ---
+
+
+@api_route("GET", "POST")
+def models(request):
+    if request.method == "GET":
+        return ok([entry.to_management() for entry in ModelEntry.objects.order_by("-created_at", "-id")])
+    body = _body(request, ModelRegistration, "invalid_model_request")
+    try:
+        source = model_source(body.source, body.id)
+    except ImproperlyConfigured as error:
+        message = str(error).replace("MILLM_MODEL", "source")
+        raise ApiError(400, "invalid_model_request", message, param="source", details={"field": "source"}) from None
+    try:
+        entry = ModelEntry.objects.create(
+            id=source.model_id,
+            source=str(source.path),
+            source_format=source.format,
+            quantization=source.quantization,
+        )
+    except IntegrityError:
+        raise ApiError(
+            409, "model_exists", f"The catalogue already has a model '{source.model_id}'; send another id",
+            details={"field": "id"},
+        ) from None
+    return ok(entry.to_management(), status=201)
+
+
+@api_route("GET")
+def model(request, model_id):
+    return ok(_entry(model_id).to_management())
+
+
+@api_route("POST")
+async def model_load(request, model_id):
+    body = await sync_to_async(_body)(request, LoadRequest, "invalid_load_request")
+    entry = await sync_to_async(_entry)(model_id)
+    engine = await sync_to_async(_engine_to_load)(entry, body.engine)
+    acknowledged = await gateway.control(
+        engine, "load", request.request_id, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER)
+    )
+    entry = await sync_to_async(_entry)(model_id)
+    return ok({"model": entry.to_management(), "engine": acknowledged["engine"]}, status=202)
+
+
+@api_route("POST")
+async def model_unload(request, model_id):
+    entry = await sync_to_async(_entry)(model_id)
+    engine = await sync_to_async(Engine.objects.serving)(entry.pk)
+    if engine is None:
+        raise ApiError(409, "model_not_resident", f"The model '{model_id}' is not resident; nothing to unload")
+    acknowledged = await gateway.control(engine, "unload", request.request_id, lease=request.headers.get(LEASE_HEADER))
+    entry = await sync_to_async(_entry)(model_id)
+    return ok({"model": entry.to_management(), "engine": acknowledged["engine"]}, status=202)
+
+
+def _engine_to_load(entry, engine_id):
+    if engine_id is not None:
+        engine = Engine.objects.live().active().filter(pk=engine_id).first()
+        if engine is None:
+            raise ApiError(404, "engine_not_found", f"No live active engine has the id '{engine_id}'",
+                           details={"field": "engine"})
+        return engine
+    engine = Engine.objects.serving(entry.pk) or Engine.objects.loading(entry.pk)
+    if engine is not None:
+        return engine
+    engine = gateway.autoload_candidate(entry.pk, list(Engine.objects.live().active()))
+    if engine is None:
+        raise gateway.engine_unavailable(entry.pk)
+    return engine
+
+
+# --- leases ---
+
+
+@api_route("GET", "POST", "DELETE")
+def lease(request, model_id):
+    entry = _entry(model_id)
+    if request.method == "GET":
+        live = Lease.objects.on_model(entry.pk)
+        return ok(live.status() if live else None)
+    if request.method == "DELETE":
+        held = _presented_for(request, entry)
+        held.release()
+        return ok({"released": True, **held.status()})
+    body = _body(request, LeaseRequest, "invalid_lease_request")
+    engine = Engine.objects.serving(entry.pk)
+    if engine is None:
+        raise ApiError(409, "model_not_resident", f"The model '{model_id}' is not resident; only a resident model is leased")
+    held, lease_id = Lease.acquire(engine, entry.pk, body.holder, body.reason, body.ttl_seconds)
+    if lease_id is None:
+        raise model_leased(held, "a second lease")
+    return ok({"id": lease_id, **held.status()}, status=201)
+
+
+@api_route("POST")
+def lease_renew(request, model_id):
+    held = _presented_for(request, _entry(model_id))
+    if not held.renew():
+        raise lease_expired(held)
+    return ok(held.status())
+
+
+def _presented_for(request, entry):
+    value = request.headers.get(LEASE_HEADER)
+    if not value:
+        raise ApiError(400, "invalid_lease_request", f"Send the lease id in {LEASE_HEADER}", param=LEASE_HEADER)
+    held = presented_lease(value)
+    if held.model_id != entry.pk:
+        raise lease_not_found()
+    if not held.live:
+        raise lease_expired(held)
+    return held
+
+
+# --- probes ---
+
+
+@api_route("GET", "POST")
+def probes(request):
+    if request.method == "GET":
+        return ok([probe.summary() for probe in Probe.objects.all()])
+    body = _body(request, ProbeImport, "invalid_probe_request")
+    _check_probe_against_resident(body)
+    probe = Probe.objects.create(
+        id=new_id("probe_"),
+        name=body.name,
+        model_id=body.model,
+        layer=body.layer,
+        weights=list(body.weights),
+        bias=body.bias,
+        norm_mean=body.norm_mean if isinstance(body.norm_mean, float) else list(body.norm_mean),
+        norm_std=body.norm_std if isinstance(body.norm_std, float) else list(body.norm_std),
+        aggregation=body.aggregation,
+        threshold=body.threshold,
+    )
+    return ok(probe.summary(), status=201)
+
+
+def _check_probe_against_resident(body):
+    """Every field that does not fit the resident model, named with what it expected (409)."""
+    serving = Engine.objects.serving(body.model)
+    if serving is None:
+        residents = [e.resident_model_id for e in Engine.objects.live().active() if e.resident_model_id]
+        if not residents:
+            raise model_not_loaded()
+        reference = ModelEntry.objects.get(pk=residents[0])
+    else:
+        reference = ModelEntry.objects.get(pk=body.model)
+    mismatches = []
+    if body.model != reference.pk:
+        mismatches.append({"field": "model", "expected": reference.pk, "actual": body.model})
+    if body.layer >= reference.num_layers:
+        mismatches.append({"field": "layer", "expected": f"0..{reference.num_layers - 1}", "actual": body.layer})
+    if len(body.weights) != reference.hidden_size:
+        mismatches.append({"field": "weights", "expected": reference.hidden_size, "actual": len(body.weights)})
+    for name in ("norm_mean", "norm_std"):
+        value = getattr(body, name)
+        if isinstance(value, list) and len(value) != reference.hidden_size:
+            mismatches.append({"field": name, "expected": reference.hidden_size, "actual": len(value)})
+    if mismatches:
+        named = "; ".join(f"{m['field']}: expected {m['expected']}, got {m['actual']}" for m in mismatches)
+        raise ApiError(
+            409,
+            "probe_model_mismatch",
+            f"The probe does not fit the resident model '{reference.pk}': {named}",
+            details={"mismatches": mismatches},
+        )
+
+
+@api_route("GET", "DELETE")
+def probe(request, probe_id):
+    found = Probe.objects.filter(pk=probe_id).first()
+    if found is None:
+        raise ApiError(404, "probe_not_found", f"No probe has the id '{probe_id}'")
+    if request.method == "DELETE":
+        found.delete()
+        return ok({"id": probe_id, "deleted": True})
+    return ok(found.detail())
+
+
+@api_route("POST")
+async def probe_score(request):
+    if request.content_type != "application/json":
+        raise ApiError(415, "unsupported_media_type", f"Send application/json, got {request.content_type or 'none'!r}")
+    raw = request.body
+    parsed = parse_request(PROBE_SCORE, decode_json(raw), strict=True)
+    model_id = await sync_to_async(_model_of_probes)(parsed.request.probe_ids)
+    engine = await gateway.engine_with_resident_model(model_id)
+    body, headers = await gateway.call(engine, PROBE_SCORE, raw.decode("utf-8"), True, request.request_id)
+    return json_response(body, headers=headers)
+
+
+def _model_of_probes(probe_ids):
+    if not probe_ids:
+        return None
+    models = dict(Probe.objects.filter(pk__in=probe_ids).values_list("pk", "model_id"))
+    missing = [probe_id for probe_id in probe_ids if probe_id not in models]
+    if missing:
+        raise ApiError(404, "probe_not_found", f"No probe has the id '{missing[0]}'", details={"field": "probe_ids"})
+    if len(set(models.values())) > 1:
+        raise ApiError(
+            400, "invalid_probe_score_request", "The probes named belong to different models; score them apart",
+            details={"field": "probe_ids"},
+        )
+    return next(iter(models.values()))
+
