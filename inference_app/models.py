@@ -143,6 +143,8 @@ class Engine(models.Model):
             "last_heartbeat": int(self.heartbeat_at.timestamp()),
             "model": self.resident_model_id or self.model_id,
             "role": self.role,
+            "resident_model": self.resident_model_id,
+            "loading_model": self.loading_model_id,
         }
 
 

@@ -95,11 +95,12 @@ class Worker:
         return bool(row[0])
 
     def activate(self):
-        """Start-up, once the advisory lock is ours: a restart ends every lease of the model,
-        and catalogue states left by a dead engine are corrected."""
+        """Start-up, once the advisory lock is ours: end the leases a restart ends, and correct
+        the catalogue states a dead engine left."""
+        # A restart ends every lease: they are deleted, so a renew answers 404 lease_not_found.
         live = list(Engine.objects.live().values_list("pk", flat=True))
-        Lease.objects.filter(model_id=self.source.model_id).end_all("engine restarted")
-        Lease.objects.exclude(engine_id__in=live).end_all("engine restarted")
+        Lease.objects.filter(model_id=self.source.model_id).delete()
+        Lease.objects.exclude(engine_id__in=live).delete()
         serving = Engine.objects.live().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
         ModelEntry.objects.filter(state__in=["resident", "loading", "unloading"]).exclude(id__in=list(serving)).update(
             state=ModelEntry.State.AVAILABLE

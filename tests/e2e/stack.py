@@ -114,7 +114,7 @@ class Stack:
     def wait_for_model(self, web, model_id, timeout=120, engine=None):
         def ready():
             detailed = httpx.get(web.url + "/api/health/detailed", timeout=5).json()
-            return any(e["alive"] and e["role"] == "active" and e["model"] == model_id for e in detailed["engines"])
+            return any(e["alive"] and e["role"] == "active" and e["resident_model"] == model_id for e in detailed["engines"])
 
         wait_until(ready, timeout, f"no active engine for {model_id}", engine)
 
