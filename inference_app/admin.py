@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from inference_app.models import Engine, ModelEntry
+from inference_app.models import Engine, Lease, ModelEntry, Probe
 
 
 @admin.register(ModelEntry)
@@ -17,3 +17,21 @@ class EngineAdmin(admin.ModelAdmin):
     list_filter = ["role", "weights_state"]
     search_fields = ["id", "model_id", "host"]
     readonly_fields = [field.name for field in Engine._meta.fields]
+
+
+@admin.register(Lease)
+class LeaseAdmin(admin.ModelAdmin):
+    list_display = ["model_id", "holder", "reason", "acquired_at", "expires_at", "ended_at", "end_reason"]
+    list_filter = ["model_id", "end_reason"]
+    search_fields = ["holder", "reason", "model_id"]
+    # The id is stored hashed and never shown; nothing here is edited by hand.
+    exclude = ["id_hash"]
+    readonly_fields = [field.name for field in Lease._meta.fields if field.name != "id_hash"]
+
+
+@admin.register(Probe)
+class ProbeAdmin(admin.ModelAdmin):
+    list_display = ["id", "name", "model_id", "layer", "aggregation", "threshold", "created_at"]
+    list_filter = ["model_id", "aggregation"]
+    search_fields = ["id", "name", "model_id"]
+    readonly_fields = ["id", "created_at"]
