@@ -1,7 +1,14 @@
+from pathlib import Path
+
 from django.apps import AppConfig
+from django.conf import settings
 
 
 class FilesAppConfig(AppConfig):
     name = "files_app"
     verbose_name = "Files"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        # Uploads stream into this folder; it must exist before the first one arrives.
+        Path(settings.FILE_UPLOAD_TEMP_DIR).mkdir(parents=True, exist_ok=True)

@@ -1,1 +1,204 @@
-"""Files API: built by the Files API issue."""
+"""Files: batch inputs and outputs. The record lives in PostgreSQL, the bytes in django-storages."""
+
+import logging
+from datetime import timedelta
+
+from django.core.files.storage import storages
+from django.db import IntegrityError, models, transaction
+from django.utils import timezone
+
+from inference_app.errors import ApiError
+from inference_app.models import new_id
+
+log = logging.getLogger(__name__)
+
+IDEMPOTENCY_WINDOW = timedelta(hours=24)
+
+
+def file_storage():
+    return storages["default"]
+
+
+class FileQuerySet(models.QuerySet):
+    def visible(self):
+        """Every file but deleted ones: those are 404 everywhere and never listed."""
+        return self.exclude(status=File.Status.DELETED)
+
+    def expiring(self, now):
+        return self.filter(status=File.Status.PROCESSED, expires_at__lte=now)
+
+    def page(self, after=None, limit=20, order="desc"):
+        """One page of a (created_at, id) cursor list; returns (items, has_more)."""
+        ordering = ["-created_at", "-id"] if order == "desc" else ["created_at", "id"]
+        queryset = self.order_by(*ordering)
+        if after is not None:
+            anchor = self.model.objects.filter(pk=after).values("created_at", "id").first()
+            if anchor is not None:
+                if order == "desc":
+                    queryset = queryset.filter(
+                        models.Q(created_at__lt=anchor["created_at"])
+                        | models.Q(created_at=anchor["created_at"], id__lt=anchor["id"])
+                    )
+                else:
+                    queryset = queryset.filter(
+                        models.Q(created_at__gt=anchor["created_at"])
+                        | models.Q(created_at=anchor["created_at"], id__gt=anchor["id"])
+                    )
+        items = list(queryset[: limit + 1])
+        return items[:limit], len(items) > limit
+
+
+class File(models.Model):
+    class Purpose(models.TextChoices):
+        BATCH = "batch"
+        BATCH_OUTPUT = "batch_output"
+
+    class Status(models.TextChoices):
+        PROCESSED = "processed"
+        ERROR = "error"
+        EXPIRED = "expired"
+        DELETED = "deleted"
+
+    id = models.CharField(primary_key=True, max_length=40)
+    purpose = models.CharField(max_length=16, choices=Purpose.choices)
+    filename = models.CharField(max_length=512)
+    bytes = models.BigIntegerField()
+    line_count = models.IntegerField()
+    storage_name = models.CharField(max_length=512)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PROCESSED)
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    objects = FileQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["created_at", "id"]), models.Index(fields=["status", "expires_at"])]
+
+    def __str__(self):
+        return f"{self.id} ({self.filename})"
+
+    @classmethod
+    def record(cls, upload, purpose, expires_after_seconds, idempotency_key=None, filename=None):
+        """Store a completed upload's bytes under their final name, then record it.
+
+        The bytes are saved first (a crash after that leaves an orphan the start-up sweep
+        removes, never a record without bytes); the record and its idempotency key are one
+        transaction. Returns (file, created).
+        """
+        file_id = new_id("file-")
+        stored = file_storage().save(f"files/{file_id}.jsonl", upload)
+        now = timezone.now()
+        try:
+            with transaction.atomic():
+                file = cls.objects.create(
+                    id=file_id,
+                    purpose=purpose,
+                    filename=filename or upload.name,
+                    bytes=upload.size,
+                    line_count=upload.line_count,
+                    storage_name=stored,
+                    created_at=now,
+                    expires_at=now + timedelta(seconds=expires_after_seconds),
+                )
+                if idempotency_key:
+                    IdempotencyKey.objects.create(scope="file", key=idempotency_key, object_id=file_id)
+        except IntegrityError:
+            # Another upload with the same Idempotency-Key won the race: answer its file.
+            file_storage().delete(stored)
+            existing = IdempotencyKey.lookup("file", idempotency_key)
+            if existing is None:
+                raise
+            return cls.objects.get(pk=existing), False
+        return file, True
+
+    @property
+    def is_expired(self):
+        return self.status == self.Status.EXPIRED or (
+            self.expires_at is not None and self.expires_at <= timezone.now()
+        )
+
+    def to_openai(self):
+        details = None
+        if self.is_expired:
+            when = self.expired_at or self.expires_at
+            details = f"expired at {when.strftime('%Y-%m-%dT%H:%M:%SZ')}; its content is gone"
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": int(self.created_at.timestamp()),
+            "expires_at": int(self.expires_at.timestamp()) if self.expires_at else None,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            # The SDK knows uploaded|processed|error; expiry is said in status_details.
+            "status": "error" if self.status == self.Status.ERROR else "processed",
+            "status_details": details,
+        }
+
+    def open_content(self):
+        """The bytes, or 404 file_expired for an expired file (its record stays)."""
+        if self.is_expired:
+            raise ApiError(404, "file_expired", f"The file '{self.id}' expired; its content is gone", param="file_id")
+        return file_storage().open(self.storage_name, "rb")
+
+    def unfinished_user(self):
+        """An unfinished object that still needs these bytes, found through the reverse
+        relations (batches point here), or None. files_app never imports batches_app."""
+        for relation in self._meta.related_objects:
+            related = relation.related_model
+            if not hasattr(related.objects, "unfinished"):
+                continue
+            user = related.objects.unfinished().filter(**{relation.field.name: self}).first()
+            if user is not None:
+                return user
+        return None
+
+    def delete_bytes(self, status, stamp_field):
+        """Remove the bytes, keep the record (compare-and-set on its current status)."""
+        now = timezone.now()
+        updated = File.objects.filter(pk=self.pk, status=self.status).update(status=status, **{stamp_field: now})
+        if updated != 1:
+            return False  # someone else expired or deleted it first
+        try:
+            file_storage().delete(self.storage_name)
+        except OSError:
+            log.warning("could not remove the bytes of %s; the orphan sweep will", self.pk, exc_info=True)
+        self.status = status
+        setattr(self, stamp_field, now)
+        return True
+
+    def remove(self):
+        """DELETE /v1/files/{id}: refused while an unfinished batch needs the file."""
+        user = self.unfinished_user()
+        if user is not None:
+            raise ApiError(
+                409,
+                "file_in_use",
+                f"The file '{self.id}' is needed by {user} until it ends; cancel it or wait",
+                param="file_id",
+            )
+        self.delete_bytes(self.Status.DELETED, "deleted_at")
+
+
+class IdempotencyKey(models.Model):
+    """`Idempotency-Key` on POST /v1/files and /v1/batches: the same key answers the first
+    object again for 24 hours."""
+
+    scope = models.CharField(max_length=16)
+    key = models.CharField(max_length=255)
+    object_id = models.CharField(max_length=40)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["scope", "key"], name="one_object_per_idempotency_key")]
+
+    @classmethod
+    def lookup(cls, scope, key):
+        if not key:
+            return None
+        cls.objects.filter(scope=scope, key=key, created_at__lt=timezone.now() - IDEMPOTENCY_WINDOW).delete()
+        found = cls.objects.filter(scope=scope, key=key).first()
+        return found.object_id if found else None

@@ -105,5 +105,5 @@ def request_too_large(measured, limit):
     return ApiError(
         413,
         "request_too_large",
-        f"Request body is {measured} bytes, over the limit of {limit} bytes (MILLM_MAX_BODY_BYTES)",
+        f"Request body is {measured}, over the limit of {limit} bytes (MILLM_MAX_BODY_BYTES)",
     )

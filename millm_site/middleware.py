@@ -21,6 +21,7 @@ from inference_app.errors import (
     request_too_large,
 )
 from inference_app.models import new_id
+from files_app.uploads import file_limit
 
 log = logging.getLogger("millm.web")
 
@@ -135,7 +136,9 @@ class ApiErrorMiddleware(Middleware):
         if isinstance(exception, ApiError):
             error = exception
         elif isinstance(exception, RequestDataTooBig):
-            error = request_too_large(request.META.get("CONTENT_LENGTH") or "over the limit", settings.MILLM_MAX_BODY_BYTES)
+            declared = request.META.get("CONTENT_LENGTH")
+            measured = f"{int(declared):,} bytes" if declared and declared.isdigit() else "over the limit"
+            error = request_too_large(measured, settings.MILLM_MAX_BODY_BYTES)
         else:
             log.exception("unhandled error on %s %s", request.method, path, exc_info=exception)
             error = internal_error()
@@ -181,21 +184,42 @@ def key_is_valid(token, keys):
 
 
 class BodyLimitASGI:
-    """Refuse a declared Content-Length over MILLM_MAX_BODY_BYTES before reading the body.
+    """Refuse an oversize body at the ASGI edge: a declared Content-Length before reading,
+    an undeclared (chunked) one the moment the bytes received cross the limit.
 
-    Uploads have their own limit (BATCH_MAX_FILE_BYTES), enforced by the Files API.
+    Uploads have their own limit (BATCH_MAX_FILE_BYTES, plus room for the multipart framing);
+    every other body has MILLM_MAX_BODY_BYTES.
     """
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and not scope["path"].startswith(_UPLOAD_PATHS):
-            declared = _content_length(scope)
-            if declared is not None and declared > settings.MILLM_MAX_BODY_BYTES:
-                await self._refuse(scope, send, request_too_large(declared, settings.MILLM_MAX_BODY_BYTES))
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit, refusal = _body_limit(scope["path"])
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            await self._refuse(scope, send, refusal(f"{declared:,} bytes declared"))
+            return
+        received = 0
+        over = False
+
+        async def counting_receive():
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    # Django stops reading at a disconnect and answers nothing; we answer.
+                    return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, counting_receive, send)
+        if over:
+            await self._refuse(scope, send, refusal(f"at least {received:,} bytes"))
 
     async def _refuse(self, scope, send, error):
         management = is_management(scope["path"])
@@ -210,6 +234,20 @@ class BodyLimitASGI:
         ]
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+# Room for the multipart framing around an upload of exactly BATCH_MAX_FILE_BYTES.
+MULTIPART_ALLOWANCE = 1 << 20
+
+
+def _body_limit(path):
+    if path.rstrip("/") in _UPLOAD_PATHS:
+        limit = settings.BATCH_MAX_FILE_BYTES
+        return limit + MULTIPART_ALLOWANCE, lambda measured: file_limit(
+            "size", limit, "BATCH_MAX_FILE_BYTES", f"the request body is {measured}"
+        )
+    limit = settings.MILLM_MAX_BODY_BYTES
+    return limit, lambda measured: request_too_large(measured, limit)
 
 
 def _content_length(scope):

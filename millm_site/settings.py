@@ -147,7 +147,34 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [],
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "EXCEPTION_HANDLER": "millm_site.drf.exception_handler",
 }
+
+# File bytes: a folder under MILLM_DATA_DIR, or an S3 bucket with django-storages' AWS_* settings.
+if MILLM_STORAGE == "s3":
+    _storage = {
+        "BACKEND": "storages.backends.s3.S3Storage",
+        "OPTIONS": {
+            "bucket_name": envstr("AWS_STORAGE_BUCKET_NAME"),
+            "endpoint_url": envstr("AWS_S3_ENDPOINT_URL"),
+            "region_name": envstr("AWS_S3_REGION_NAME"),
+            "location": envstr("AWS_LOCATION", "millm"),
+        },
+    }
+    if not _storage["OPTIONS"]["bucket_name"]:
+        raise ImproperlyConfigured("MILLM_STORAGE=s3 needs AWS_STORAGE_BUCKET_NAME")
+else:
+    _storage = {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(MILLM_DATA_DIR)}}
+STORAGES = {
+    "default": _storage,
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+# Uploads stream to disk chunk by chunk; nothing over this stays in memory.
+FILE_UPLOAD_TEMP_DIR = str(MILLM_DATA_DIR / "tmp")
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
+FILE_UPLOAD_PERMISSIONS = 0o640
 
 LOGGING = {
     "version": 1,

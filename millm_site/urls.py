@@ -4,4 +4,5 @@ from django.urls import include, path
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("inference_app.urls")),
+    path("", include("files_app.urls")),
 ]

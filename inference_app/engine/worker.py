@@ -52,8 +52,11 @@ def advisory_key(model_id):
 
 
 class Worker:
-    def __init__(self, source):
+    def __init__(self, source, jobs=()):
+        """`jobs`: (name, interval in seconds, sync callable) run at start-up and then on that
+        interval, in the database thread (file retention is one)."""
         self.source = source
+        self.jobs = list(jobs)
         self.engine_id = new_id("eng_")
         self.channel = f"{settings.CHANNEL_PREFIX}.engine.{self.engine_id}"
         self.slot = AdmissionSlot(settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS)
@@ -238,6 +241,7 @@ class Worker:
         self._install_signal_handlers()
         await sync_to_async(self.register)()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
+        jobs = [asyncio.create_task(self._job_loop(*job)) for job in self.jobs]
         try:
             if not await self._wait_for_lock():
                 return
@@ -249,6 +253,8 @@ class Worker:
             await self._drain()
         finally:
             heartbeat.cancel()
+            for job in jobs:
+                job.cancel()
             await sync_to_async(self.unregister)()
             self.executor.shutdown(wait=False, cancel_futures=True)
             log.info("engine %s stopped", self.engine_id)
@@ -297,6 +303,15 @@ class Worker:
             except Exception:
                 log.exception("heartbeat failed; retrying")
             await asyncio.sleep(settings.ENGINE_HEARTBEAT_S)
+
+    async def _job_loop(self, name, interval, job):
+        while not self.stopping.is_set():
+            try:
+                outcome = await sync_to_async(job)()
+                log.info("%s: %s", name, outcome)
+            except Exception:
+                log.exception("%s failed; it runs again in %s s", name, interval)
+            await self._sleep_unless_stopping(interval)
 
     async def _sleep_unless_stopping(self, seconds):
         try:

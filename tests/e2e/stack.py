@@ -88,6 +88,19 @@ class Stack:
             [PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=self.env, check=True
         )
 
+    def sql(self, query, params=()):
+        """Read the stack's database directly, as an operator would."""
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{self.db_name}") as conn:
+            return conn.execute(query, params).fetchall()
+
+    @property
+    def data_dir(self):
+        return Path(self.env["MILLM_DATA_DIR"])
+
+    def stored_files(self):
+        folder = self.data_dir / "files"
+        return sorted(path.name for path in folder.iterdir()) if folder.exists() else []
+
     def drop_database(self):
         with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.db_name)))

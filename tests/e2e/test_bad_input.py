@@ -121,7 +121,7 @@ def test_a_declared_body_over_the_limit_is_413_before_it_is_read(small_body_web)
     error = response.json()["error"]
     assert error["code"] == "request_too_large"
     assert "4096" in error["message"] and "MILLM_MAX_BODY_BYTES" in error["message"]
-    assert str(len(body)) in error["message"]
+    assert f"{len(body):,} bytes declared" in error["message"]
 
 
 def test_a_chunked_body_over_the_limit_is_413(small_body_web):

@@ -1,12 +1,12 @@
-"""Start the engine: the resident model, the admission slot and the interactive consumer.
-
-The batch runner joins this same process in the Batch API issue.
-"""
+"""Start the engine: the resident model, the admission slot, the interactive consumer, and the
+housekeeping that runs beside them (file retention). The batch runner joins this process too."""
 
 import logging
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from files_app.retention import run_retention
 from inference_app.catalogue import model_source
 
 
@@ -21,5 +21,5 @@ class Command(BaseCommand):
         from inference_app.engine.worker import Worker
 
         logging.getLogger("millm").setLevel(logging.INFO)
-        source = model_source(model, model_id)
-        Worker(source).run()
+        jobs = [("file retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
+        Worker(model_source(model, model_id), jobs=jobs).run()

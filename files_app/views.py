@@ -1,0 +1,108 @@
+"""The Files API: a thin DRF viewset; behaviour lives on File."""
+
+from django.conf import settings
+from django.http import FileResponse
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.parsers import MultiPartParser
+from rest_framework.response import Response
+
+from files_app.models import File, IdempotencyKey
+from files_app.uploads import BatchFileUploadHandler
+from inference_app.errors import ApiError
+from millm_site.pagination import list_page, query_choice, query_int
+
+EXPIRES_AFTER_RANGE = (3_600, 2_592_000)
+
+
+class FileViewSet(viewsets.ViewSet):
+    parser_classes = [MultiPartParser]
+
+    def list(self, request):
+        files = File.objects.visible()
+        purpose = request.query_params.get("purpose")
+        if purpose:
+            files = files.filter(purpose=purpose)
+        limit = query_int(request, "limit", 10_000, 1, 10_000)
+        order = query_choice(request, "order", "desc", ("asc", "desc"))
+        items, has_more = files.page(request.query_params.get("after"), limit, order)
+        return Response(list_page([file.to_openai() for file in items], has_more))
+
+    def retrieve(self, request, pk=None):
+        return Response(_visible(pk).to_openai())
+
+    def create(self, request):
+        key = request.headers.get("Idempotency-Key")
+        existing = IdempotencyKey.lookup("file", key)
+        if existing is not None:
+            return Response(File.objects.get(pk=existing).to_openai())
+        request._request.upload_handlers = [BatchFileUploadHandler(request._request)]
+        purpose = request.data.get("purpose")
+        if purpose != File.Purpose.BATCH:
+            _discard(request)
+            raise ApiError(
+                400, "invalid_batch_request",
+                f"purpose must be 'batch', got {purpose!r}" if purpose else "purpose is required: send purpose=batch",
+                param="purpose",
+            )
+        upload = request.FILES.get("file")
+        if upload is None:
+            raise ApiError(400, "invalid_batch_request", "No file: send the JSONL in a multipart part named 'file'", param="file")
+        try:
+            seconds = _expires_after(request.data)
+        except ApiError:
+            _discard(request)
+            raise
+        file, _ = File.record(upload, File.Purpose.BATCH, seconds, key)
+        return Response(file.to_openai())
+
+    def destroy(self, request, pk=None):
+        file = _visible(pk)
+        file.remove()
+        return Response({"id": file.id, "object": "file", "deleted": True})
+
+    @action(detail=True, methods=["get"])
+    def content(self, request, pk=None):
+        # application/jsonl whatever Accept says (the SDK sends application/binary).
+        return FileResponse(_visible(pk).open_content(), content_type="application/jsonl")
+
+    def perform_content_negotiation(self, request, force=False):
+        # JSON whatever Accept says: the SDK asks for application/binary on content downloads.
+        return super().perform_content_negotiation(request, force=True)
+
+
+def _visible(file_id):
+    file = File.objects.visible().filter(pk=file_id).first()
+    if file is None:
+        raise ApiError(404, "file_not_found", f"No file has the id '{file_id}'", param="file_id")
+    return file
+
+
+def _discard(request):
+    upload = request.FILES.get("file")
+    if upload is not None:
+        upload.close()
+
+
+def _expires_after(data):
+    """expires_after[anchor]=created_at and expires_after[seconds] (3,600-2,592,000); default
+    BATCH_FILE_RETENTION_DAYS."""
+    anchor = data.get("expires_after[anchor]")
+    seconds = data.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return settings.BATCH_FILE_RETENTION_DAYS * 86_400
+    if anchor != "created_at":
+        raise ApiError(400, "invalid_batch_request", f"expires_after[anchor] must be 'created_at', got {anchor!r}",
+                       param="expires_after[anchor]")
+    low, high = EXPIRES_AFTER_RANGE
+    try:
+        value = int(seconds)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not low <= value <= high:
+        raise ApiError(
+            400, "invalid_batch_request",
+            f"expires_after[seconds] must be a whole number from {low:,} to {high:,}, got {seconds!r}",
+            param="expires_after[seconds]",
+        )
+    return value

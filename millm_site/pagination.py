@@ -1,0 +1,33 @@
+"""OpenAI's list shape and query parameters, shared by the Files and Batch APIs."""
+
+from inference_app.errors import ApiError
+
+
+def list_page(data, has_more):
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def query_int(request, name, default, low, high):
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ApiError(400, "invalid_parameter", f"Invalid value for '{name}': a whole number from {low} to {high}, got {raw!r}", param=name)
+    return value
+
+
+def query_choice(request, name, default, choices):
+    raw = request.query_params.get(name) or default
+    if raw not in choices:
+        raise ApiError(400, "invalid_parameter", f"Invalid value for '{name}': one of {', '.join(choices)}, got {raw!r}", param=name)
+    return raw
