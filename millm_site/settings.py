@@ -139,6 +139,9 @@ BATCH_PROGRESS_MIN_INTERVAL_S = envfloat("BATCH_PROGRESS_MIN_INTERVAL_S", 1.0, m
 BATCH_FILE_RETENTION_DAYS = envint("BATCH_FILE_RETENTION_DAYS", 30, minimum=1)
 BATCH_RETENTION_INTERVAL_S = envint("BATCH_RETENTION_INTERVAL_S", 3600, minimum=1)
 BATCH_WAIT_POLL_S = envfloat("BATCH_WAIT_POLL_S", 5.0, minimum=0.05)
+# Tests only: pause between a chunk's forward pass and its record, so a test can kill the
+# engine mid-chunk.
+BATCH_TEST_PAUSE_BEFORE_RECORD_S = envfloat("BATCH_TEST_PAUSE_BEFORE_RECORD_S", 0.0, minimum=0)
 
 # Bodies other than uploads: Django refuses a larger one with RequestDataTooBig (413 here).
 DATA_UPLOAD_MAX_MEMORY_SIZE = MILLM_MAX_BODY_BYTES

@@ -5,4 +5,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("inference_app.urls")),
     path("", include("files_app.urls")),
+    path("", include("batches_app.urls")),
 ]

@@ -52,11 +52,15 @@ def advisory_key(model_id):
 
 
 class Worker:
-    def __init__(self, source, jobs=()):
+    def __init__(self, source, jobs=(), companions=()):
         """`jobs`: (name, interval in seconds, sync callable) run at start-up and then on that
-        interval, in the database thread (file retention is one)."""
+        interval, in the database thread (file retention is one).
+        `companions`: factories called with this worker, giving objects with a sync
+        `reconcile()` (run once the engine is active and its model loaded) and an async `run()`
+        (the batch runner is one). inference_app never imports them."""
         self.source = source
         self.jobs = list(jobs)
+        self.companions = [factory(self) for factory in companions]
         self.engine_id = new_id("eng_")
         self.channel = f"{settings.CHANNEL_PREFIX}.engine.{self.engine_id}"
         self.slot = AdmissionSlot(settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS)
@@ -249,8 +253,13 @@ class Worker:
             await sync_to_async(self.activate)()
             await self.swap(self.source.model_id)
             log.info("engine %s serving %s on %s", self.engine_id, self.runtime.model_id, self.channel)
+            for companion in self.companions:
+                await sync_to_async(companion.reconcile)()
+            running = [asyncio.create_task(companion.run()) for companion in self.companions]
             await self._consume()
             await self._drain()
+            if running:
+                await asyncio.wait(running, timeout=SHUTDOWN_GRACE_S)
         finally:
             heartbeat.cancel()
             for job in jobs:

@@ -1,5 +1,5 @@
-"""Start the engine: the resident model, the admission slot, the interactive consumer, and the
-housekeeping that runs beside them (file retention). The batch runner joins this process too."""
+"""Start the engine: the resident model, the admission slot, the interactive consumer, the
+batch runner, and the housekeeping beside them (file retention)."""
 
 import logging
 
@@ -21,5 +21,7 @@ class Command(BaseCommand):
         from inference_app.engine.worker import Worker
 
         logging.getLogger("millm").setLevel(logging.INFO)
+        from batches_app.runner import BatchRunner
+
         jobs = [("file retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
-        Worker(model_source(model, model_id), jobs=jobs).run()
+        Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner]).run()

@@ -1,0 +1,89 @@
+"""Finalization: the output and error files, streamed in input order, written then recorded."""
+
+import json
+import logging
+import os
+import tempfile
+
+from django.conf import settings
+from django.core.files import File as DjangoFile
+from django.db import transaction
+from django.utils import timezone
+
+from batches_app.models import Batch, BatchRow
+from files_app.models import File
+from inference_app.models import Lease
+
+log = logging.getLogger("millm.batches")
+
+
+class _Spool:
+    """A temporary JSONL file on disk, counted as it is written."""
+
+    def __init__(self, name):
+        self.name = name
+        self.handle = tempfile.NamedTemporaryFile("w+b", dir=settings.FILE_UPLOAD_TEMP_DIR, delete=False, suffix=".jsonl")
+        self.lines = 0
+
+    def write(self, obj):
+        self.handle.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        self.lines += 1
+
+    def record(self, expires_after_seconds):
+        self.handle.flush()
+        self.handle.seek(0)
+        upload = DjangoFile(self.handle, name=self.name)
+        upload.line_count = self.lines
+        file, _ = File.record(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name)
+        return file
+
+    def discard(self):
+        self.handle.close()
+        try:
+            os.unlink(self.handle.name)
+        except FileNotFoundError:
+            pass
+
+
+def assemble(batch):
+    """1. Write every line, in input order, to the output or the error file (on disk).
+    2. Record both files (bytes first, then the record).
+    3. In one transaction, fenced: attach them, stamp the end status, delete the row bodies.
+    4. Release the batch's own lease.
+
+    A batch that failed at validation (it never reached in_progress) writes only its invalid
+    lines; any other writes each input line exactly once across the two files.
+    """
+    if batch.end_status:
+        end = batch.end_status
+    elif batch.status == Batch.Status.CANCELLING:
+        end = Batch.Status.CANCELLED
+    else:
+        end = Batch.Status.COMPLETED
+    batch.end_status = end
+    reached_progress = batch.in_progress_at is not None
+    output, errors = _Spool(f"{batch.id}_output.jsonl"), _Spool(f"{batch.id}_error.jsonl")
+    try:
+        for row in batch.rows.order_by("line").iterator(chunk_size=2000):
+            if row.outcome == BatchRow.Outcome.PENDING and not reached_progress:
+                continue
+            is_output, line = row.output_line(batch.unrun_code or "batch_failed")
+            (output if is_output else errors).write(line)
+        expires = batch.output_expires_after or settings.BATCH_FILE_RETENTION_DAYS * 86_400
+        output_file = output.record(expires) if reached_progress else None
+        error_file = errors.record(expires) if errors.lines else None
+    finally:
+        output.discard()
+        errors.discard()
+    with transaction.atomic():
+        batch.fenced()
+        stamp = {f"{end}_at": timezone.now()}
+        Batch.objects.filter(pk=batch.pk).update(
+            status=end, output_file=output_file, error_file=error_file, waiting_reason=None, **stamp
+        )
+        BatchRow.objects.filter(batch=batch).update(body=None)
+    if batch.lease_mode == "own" and batch.lease_id:
+        Lease.objects.end_all("the batch ended", pk=batch.lease_id)
+    batch.refresh_from_db()
+    log.info("batch %s %s: %d completed, %d failed", batch.pk, end, batch.completed, batch.failed)
+    return batch

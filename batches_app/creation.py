@@ -1,0 +1,130 @@
+"""POST /v1/batches: every create check of SPEC 10, in order, each refusal naming its field."""
+
+import re
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from batches_app.models import ENDPOINTS, Batch
+from files_app.models import File, IdempotencyKey
+from inference_app.errors import ApiError
+from inference_app.leases import lease_expired, model_leased, presented_lease
+from inference_app.models import Lease, new_id
+
+WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
+OUTPUT_EXPIRY_RANGE = (3_600, 2_592_000)
+KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window"}
+
+
+def refuse(message, param, code="invalid_batch_request", status=400):
+    return ApiError(status, code, message, param=param)
+
+
+def create_batch(body, lease_header=None, idempotency_key=None):
+    if not isinstance(body, dict):
+        raise refuse("The body must be a JSON object", None)
+    existing = IdempotencyKey.lookup("batch", idempotency_key)
+    if existing is not None:
+        return Batch.objects.get(pk=existing)
+    unknown = [key for key in body if key not in KNOWN]
+    if unknown:
+        raise refuse(f"Unknown field '{unknown[0]}'; a batch takes {', '.join(sorted(KNOWN))}", unknown[0])
+    input_file = _input_file(body.get("input_file_id"))
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise refuse(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", "endpoint")
+    window_hours = _window(body.get("completion_window"))
+    metadata = _metadata(body.get("metadata"))
+    output_expiry = _output_expiry(body.get("output_expires_after"))
+    pack = body.get("pack", settings.BATCH_PACK_DEFAULT)
+    if pack is None:
+        pack = settings.BATCH_PACK_DEFAULT
+    if not isinstance(pack, bool):
+        raise refuse(f"pack must be true or false, got {pack!r}", "pack")
+    pack_window = body.get("pack_window", settings.BATCH_PACK_WINDOW_DEFAULT)
+    if pack_window is None:
+        pack_window = settings.BATCH_PACK_WINDOW_DEFAULT
+    if isinstance(pack_window, bool) or not isinstance(pack_window, int) or not 0 <= pack_window <= settings.BATCH_PACK_WINDOW_MAX:
+        raise refuse(f"pack_window must be a whole number from 0 to {settings.BATCH_PACK_WINDOW_MAX} (BATCH_PACK_WINDOW_MAX), got {pack_window!r}", "pack_window")
+    lease = _caller_lease(lease_header)
+    now = timezone.now()
+    batch = Batch(
+        id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],
+        created_at=now, expires_at=now + timedelta(hours=window_hours), metadata=metadata,
+        output_expires_after=output_expiry, pack=pack, pack_window=pack_window,
+        lease=lease, lease_mode="caller" if lease else None,
+    )
+    try:
+        with transaction.atomic():
+            batch.save(force_insert=True)
+            if idempotency_key:
+                IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=batch.pk)
+    except IntegrityError:
+        existing = IdempotencyKey.lookup("batch", idempotency_key)
+        if existing is None:
+            raise
+        return Batch.objects.get(pk=existing)
+    return batch
+
+
+def _input_file(file_id):
+    if not isinstance(file_id, str) or not file_id:
+        raise refuse("input_file_id is required: the id of a file uploaded with purpose batch", "input_file_id")
+    file = File.objects.filter(pk=file_id).first()
+    if file is None:
+        raise refuse(f"No file has the id '{file_id}'", "input_file_id", "file_not_found", 404)
+    if file.status == File.Status.DELETED:
+        raise refuse(f"The file '{file_id}' was deleted", "input_file_id", "file_deleted", 404)
+    if file.purpose != File.Purpose.BATCH:
+        raise refuse(f"The file '{file_id}' has purpose {file.purpose}; a batch needs purpose batch", "input_file_id")
+    if file.is_expired:
+        raise refuse(f"The file '{file_id}' has expired", "input_file_id", "file_expired", 404)
+    return file
+
+
+def _window(value):
+    match = WINDOW.match(value) if isinstance(value, str) else None
+    hours = int(match.group(1)) if match else 0
+    limit = settings.BATCH_MAX_COMPLETION_WINDOW_HOURS
+    if not 1 <= hours <= limit:
+        raise refuse(f"completion_window must be '24h' or whole hours from '1h' to '{limit}h', got {value!r}", "completion_window")
+    return hours
+
+
+def _metadata(value):
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > 16:
+        raise refuse("metadata must be an object of at most 16 string pairs", "metadata")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise refuse(f"metadata['{key[:64]}']: keys are at most 64 characters and values strings of at most 512", "metadata")
+    return value
+
+
+def _output_expiry(value):
+    if value is None:
+        return None
+    low, high = OUTPUT_EXPIRY_RANGE
+    if not isinstance(value, dict) or value.get("anchor") != "created_at":
+        raise refuse('output_expires_after must be {"anchor": "created_at", "seconds": N}', "output_expires_after.anchor")
+    seconds = value.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
+        raise refuse(f"output_expires_after.seconds must be from {low:,} to {high:,}, got {seconds!r}", "output_expires_after.seconds")
+    return seconds
+
+
+def _caller_lease(header):
+    """A presented lease: unknown 404, ended 409. Not presented: an outside holder's live lease
+    blocks the create (409); the server's own batch leases never do (batches queue)."""
+    presented = presented_lease(header)
+    if presented is not None:
+        if not presented.live:
+            raise lease_expired(presented)
+        return presented
+    outside = Lease.objects.live().exclude(holder__startswith="millm-batch:").first()
+    if outside is not None:
+        raise model_leased(outside, "a batch")
+    return None

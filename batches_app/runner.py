@@ -1,0 +1,307 @@
+"""The batch runner, inside the engine process (`runbatchworker`).
+
+Two loops share the engine's event loop:
+- validation: claims `validating` batches and validates each in a thread of its own, outside
+  the admission slot;
+- running: claims the oldest runnable batch of the resident model and runs it chunk by chunk,
+  each chunk under the slot as a background holder (interactive requests go first at every
+  chunk boundary), each chunk recorded in one transaction fenced by the claim token.
+
+Rows run through the very service functions the synchronous routes call.
+"""
+
+import asyncio
+import logging
+import time
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from batches_app import assembly, validation
+from batches_app.models import Batch, BatchRow, FencedOut
+from inference_app.engine import services
+from inference_app.errors import ApiError
+from inference_app.models import Engine, Lease, new_id
+from inference_app.schemas import PROBE_SCORE, parse_request
+
+log = logging.getLogger("millm.batches")
+
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def reconcile_batches(engine_id):
+    """Start-up reconciliation: release every claim held by an engine that is not alive, so the
+    loops pick the batches up again by status: validating validates again; in_progress resumes
+    at its first unrecorded row; finalizing assembles again; cancelling ends cancelled."""
+    live = list(Engine.objects.live().values_list("pk", flat=True))
+    released = Batch.objects.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=live).update(
+        claimed_by=None, claim_token=None
+    )
+    if released:
+        log.info("reconciled %d unfinished batch(es) left by a stopped engine", released)
+    return released
+
+
+class BatchRunner:
+    def __init__(self, worker):
+        self.worker = worker
+        self.chunks = 0
+        self.last_backlog = None
+
+    # --- entry points the Worker calls ---
+
+    def reconcile(self):
+        return reconcile_batches(self.worker.engine_id)
+
+    async def run(self):
+        await asyncio.gather(self._validation_loop(), self._run_loop())
+
+    # --- validation ---
+
+    async def _validation_loop(self):
+        while not self.worker.stopping.is_set():
+            try:
+                batch = await sync_to_async(self._claim, thread_sensitive=True)(validating=True)
+                if batch is None:
+                    await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                    continue
+                resident = self.worker.runtime.model_id if self.worker.runtime else None
+                await asyncio.to_thread(self._validate_in_thread, batch, resident)
+            except Exception:
+                log.exception("validation failed; retrying")
+                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+
+    def _validate_in_thread(self, batch, resident):
+        try:
+            outcome = validation.validate(batch, resident)
+            batch.refresh_from_db()
+            if outcome == Batch.Status.FAILED or batch.status == Batch.Status.CANCELLING:
+                assembly.assemble(batch)
+            else:
+                self._release(batch)
+        except FencedOut:
+            log.warning("batch %s was taken over during validation", batch.pk)
+        finally:
+            connection.close()
+
+    # --- running ---
+
+    async def _run_loop(self):
+        while not self.worker.stopping.is_set():
+            try:
+                await sync_to_async(self._update_waiting_and_backlog)()
+                batch = await sync_to_async(self._claim)(validating=False)
+                if batch is None:
+                    await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                    continue
+                await self._process(batch)
+            except FencedOut as fenced:
+                log.warning("fenced out of %s: another engine claimed it", fenced)
+            except Exception:
+                log.exception("the batch runner failed; retrying")
+                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+
+    def _claim(self, validating):
+        """The oldest claimable batch, claimed with a fresh fencing token, or None.
+
+        SELECT ... FOR UPDATE SKIP LOCKED: two engines never pick the same row at once.
+        """
+        close_old_connections()
+        runtime = self.worker.runtime
+        if validating:
+            runnable = Q(status=Batch.Status.VALIDATING)
+        else:
+            # Ending needs no model: any engine assembles a finalizing, cancelling or expired batch.
+            runnable = Q(status__in=[Batch.Status.FINALIZING, Batch.Status.CANCELLING])
+            runnable |= Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=False)
+            if runtime is not None:
+                runnable |= Q(status=Batch.Status.IN_PROGRESS, model=runtime.model_id)
+        with transaction.atomic():
+            batch = (
+                Batch.objects.select_for_update(skip_locked=True)
+                .filter(runnable, claimed_by__isnull=True)
+                .order_by("created_at", "id")
+                .first()
+            )
+            if batch is None or batch.claim(self.worker.engine_id) is None:
+                return None
+        return batch
+
+    def _release(self, batch):
+        Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(claimed_by=None, claim_token=None)
+
+    async def _process(self, batch):
+        """Run one claimed batch until it ends or must wait."""
+        if batch.status != Batch.Status.IN_PROGRESS or batch.end_status:
+            await self._assemble(batch)
+            return
+        while not self.worker.stopping.is_set():
+            verdict = await sync_to_async(self._before_chunk)(batch)
+            if verdict == "assemble":
+                await self._assemble(batch)
+                return
+            if verdict == "release":
+                await sync_to_async(self._release)(batch)
+                return
+            if verdict == "wait":
+                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                continue
+            rows = await sync_to_async(self._next_chunk)(batch)
+            if not rows:
+                moved = await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING)
+                if moved:
+                    await self._assemble(batch)
+                return
+            await self._run_chunk(batch, rows)
+        await sync_to_async(self._release)(batch)
+
+    def _before_chunk(self, batch):
+        """Cancelled? expired? model resident? lease held? Record the waiting reason if not."""
+        close_old_connections()
+        batch.refresh_from_db()
+        if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
+            raise FencedOut(batch.pk)
+        if batch.status == Batch.Status.CANCELLING:
+            Batch.objects.filter(pk=batch.pk).update(end_status=Batch.Status.CANCELLED)
+            batch.end_status = Batch.Status.CANCELLED
+            return "assemble"
+        if timezone.now() >= batch.expires_at:
+            Batch.objects.filter(pk=batch.pk).update(end_status=Batch.Status.EXPIRED)
+            batch.end_status = Batch.Status.EXPIRED
+            return "assemble"
+        runtime = self.worker.runtime
+        if runtime is None or runtime.model_id != batch.model:
+            batch.set_waiting(Batch.Waiting.MODEL_NOT_RESIDENT)
+            return "release"
+        if not self._hold_lease(batch):
+            batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE)
+            return "wait"
+        return "run"
+
+    def _hold_lease(self, batch):
+        """The batch runs under its caller's live lease, or its own (acquired, renewed after a
+        third of its TTL); an outside holder's live lease makes it wait."""
+        lease = Lease.objects.filter(pk=batch.lease_id).first() if batch.lease_id else None
+        if lease is not None and lease.live:
+            if (timezone.now() - lease.renewed_at).total_seconds() > lease.ttl_seconds / 3:
+                lease.renew()
+            return True
+        live = Lease.objects.on_model(batch.model)
+        if live is not None and live.holder.startswith("millm-batch:"):
+            # Left by a batch that ended without releasing (a crash): batches queue, they do
+            # not block each other.
+            Lease.objects.end_all("superseded by another batch", pk=live.pk)
+            live = None
+        if live is not None:
+            return False
+        engine = Engine.objects.get(pk=self.worker.engine_id)
+        held, lease_id = Lease.acquire(engine, batch.model, batch.holder, f"batch {batch.pk}", settings.BATCH_LEASE_TTL_S)
+        if lease_id is None:
+            return False
+        Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(lease=held, lease_mode="own")
+        batch.lease_id, batch.lease_mode = held.pk, "own"
+        return True
+
+    def _next_chunk(self, batch):
+        size = 1 if self._one_per_chunk(batch) else settings.BATCH_CHUNK_ROWS
+        return list(batch.rows.unrecorded()[:size])
+
+    @staticmethod
+    def _one_per_chunk(batch):
+        """Generation and probe-score rows run one per chunk; scoring and embeddings in eights."""
+        if batch.endpoint == PROBE_SCORE:
+            return True
+        if batch.endpoint in GENERATION_ENDPOINTS:
+            first = batch.rows.unrecorded().values_list("body", flat=True).first() or {}
+            scoring = first.get("logprobs") not in (None, False) or first.get("allowed_token_ids") is not None
+            return not scoring
+        return False
+
+    async def _run_chunk(self, batch, rows):
+        worker = self.worker
+        probes = None
+        if batch.endpoint == PROBE_SCORE:
+            probes = await sync_to_async(self._probes_of)(rows)
+        await worker.slot.acquire(interactive=False)
+        started = time.monotonic()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                worker.executor, execute_rows, worker.runtime, batch.endpoint, rows, probes
+            )
+        finally:
+            worker.slot.release(False, time.monotonic() - started)
+        if settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S:
+            await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
+        self.chunks += 1
+        await sync_to_async(batch.record_chunk)(results, self.chunks)
+        self.on_progress(batch)
+
+    def _probes_of(self, rows):
+        specs = {}
+        for row in rows:
+            try:
+                specs[row.pk] = self.worker.probes_for(parse_request(PROBE_SCORE, row.body, strict=True).request)
+            except ApiError as error:
+                specs[row.pk] = error
+        return specs
+
+    async def _assemble(self, batch):
+        await asyncio.to_thread(self._assemble_in_thread, batch)
+        self.on_progress(batch)
+
+    def _assemble_in_thread(self, batch):
+        try:
+            batch.refresh_from_db()
+            assembly.assemble(batch)
+        finally:
+            connection.close()
+
+    def on_progress(self, batch):
+        """The seam for progress events (the events issue sends batch:progress here)."""
+
+    def _update_waiting_and_backlog(self):
+        """Queued batches say why they wait; the heartbeat row carries the backlog."""
+        close_old_connections()
+        serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
+        waiting = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)
+        waiting.filter(model__in=serving).exclude(waiting_reason=Batch.Waiting.QUEUED).update(waiting_reason=Batch.Waiting.QUEUED)
+        waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT).update(
+            waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT
+        )
+        for batch in Batch.objects.filter(status=Batch.Status.IN_PROGRESS, end_status__isnull=True, expires_at__lte=timezone.now(), claimed_by__isnull=True):
+            Batch.objects.filter(pk=batch.pk, claimed_by__isnull=True).update(end_status=Batch.Status.EXPIRED)
+        runtime = self.worker.runtime
+        backlog = 0
+        if runtime is not None:
+            backlog = BatchRow.objects.filter(
+                batch__status=Batch.Status.IN_PROGRESS, batch__model=runtime.model_id, outcome=BatchRow.Outcome.PENDING
+            ).count()
+        if backlog != self.last_backlog:
+            Engine.objects.filter(pk=self.worker.engine_id).update(batch_backlog_rows=backlog)
+            self.last_backlog = backlog
+
+
+def execute_rows(runtime, endpoint, rows, probes=None):
+    """Runs in the model thread: each row through the synchronous route's service function."""
+    results = []
+    for row in rows:
+        request_id = new_id("req_")
+        try:
+            parsed = parse_request(endpoint, row.body, strict=True)
+            row_probes = None
+            if probes is not None:
+                row_probes = probes[row.pk]
+                if isinstance(row_probes, ApiError):
+                    raise row_probes
+            result = services.run(runtime, parsed, probes=row_probes)
+            usage = result.body.get("usage") or {}
+            results.append((row, BatchRow.Outcome.SUCCEEDED, result.body, None, request_id, False, result.headers, usage))
+        except ApiError as error:
+            body = error.management_body() if endpoint == PROBE_SCORE else error.body()
+            failure = {"status": error.status, "code": error.code, "message": f"Line {row.line}: {error.message}"}
+            results.append((row, BatchRow.Outcome.FAILED, body, failure, request_id, False, None, {}))
+    return results
+

@@ -1,0 +1,199 @@
+"""Validation of a batch's input file (SPEC 10), in the engine, off the admission slot.
+
+The file streams line by line (memory independent of its size) and nothing is tokenised. Each
+line gets the synchronous route's own schema and refusals, in strict mode, through
+`inference_app.schemas.parse_request`, and its model is resolved by `catalogue.resolve`, so a
+line is refused with exactly the code and message the route would give.
+"""
+
+import json
+import logging
+from collections import Counter
+
+from django.conf import settings
+
+from batches_app.models import Batch, BatchRow
+from files_app.models import file_storage
+from inference_app.catalogue import resolve
+from inference_app.errors import ApiError
+from inference_app.models import Engine, Lease
+from inference_app.schemas import PROBE_SCORE, parse_request
+
+log = logging.getLogger("millm.batches")
+
+INSERT_EVERY = 1000
+FIRST_ERRORS = 100
+
+
+class LineError(Exception):
+    def __init__(self, code, message, param=None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def read_lines(storage_name):
+    """The file's lines without their newline; an empty piece after the last newline is none."""
+    with file_storage().open(storage_name, "rb") as handle:
+        for raw in handle:
+            yield raw[:-1] if raw.endswith(b"\n") else raw
+
+
+class LineChecker:
+    """The line checks of SPEC 10, in order. Remembers valid custom_ids and resolved models."""
+
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.seen = set()
+        self.resolved = {}
+
+    def check(self, raw, number):
+        """Returns (custom_id, body, model id) of a valid line, or raises LineError."""
+        if len(raw) > settings.BATCH_MAX_LINE_BYTES:
+            raise LineError("line_too_large", f"the line is {len(raw):,} bytes, over {settings.BATCH_MAX_LINE_BYTES:,} (BATCH_MAX_LINE_BYTES)")
+        if not raw.strip():
+            raise LineError("invalid_json", "the line is blank")
+        try:
+            line = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        except UnicodeDecodeError as error:
+            raise LineError("invalid_json", f"the line is not valid UTF-8 ({error.reason} at byte {error.start})") from None
+        except (ValueError, RecursionError) as error:
+            raise LineError("invalid_json", f"the line is not valid JSON: {error}") from None
+        if not isinstance(line, dict):
+            raise LineError("invalid_line", "the line must be a JSON object with custom_id, method, url and body")
+        custom_id = line.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+            raise LineError("invalid_custom_id", "custom_id must be a non-empty string of at most 512 characters", "custom_id")
+        if custom_id in self.seen:
+            raise LineError("duplicate_custom_id", f"custom_id '{custom_id}' is already used by an earlier line", "custom_id")
+        if line.get("method") != "POST":
+            raise LineError("invalid_method", f"method must be POST, got {json.dumps(line.get('method'))}", "method")
+        if line.get("url") != self.endpoint:
+            raise LineError("invalid_url", f"url must be the batch's endpoint {self.endpoint}, got {json.dumps(line.get('url'))}", "url")
+        body = line.get("body")
+        if not isinstance(body, dict):
+            raise LineError("invalid_body", "body must be a JSON object", "body")
+        if body.get("stream") is True:
+            raise LineError("stream_not_supported", "batch lines cannot stream: remove stream: true", "body.stream")
+        unknown = sorted(set(line) - {"custom_id", "method", "url", "body"})
+        if unknown:
+            raise LineError("invalid_line", f"unknown field(s) in the line: {', '.join(unknown)}", unknown[0])
+        try:
+            parsed = parse_request(self.endpoint, body, strict=True, param_prefix="body.")
+        except ApiError as error:
+            raise LineError(error.code, error.message, error.param) from None
+        model = None
+        if self.endpoint != PROBE_SCORE:
+            model = self._resolve(parsed.request.model)
+        self.seen.add(custom_id)
+        return custom_id, body, model
+
+    def _resolve(self, name):
+        if name not in self.resolved:
+            try:
+                self.resolved[name] = resolve(name).id
+            except ApiError as error:
+                self.resolved[name] = error
+        outcome = self.resolved[name]
+        if isinstance(outcome, ApiError):
+            raise LineError(outcome.code, outcome.message, "body.model")
+        return outcome
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def validate(batch, resident_model_id):
+    """Validate every line, store the rows, and decide the batch's fate.
+
+    1. Stream the file; each line becomes a pending row or an invalid one (with its error).
+    2. Fail the batch (no row run, no lease taken) when no line is valid, the valid lines name
+       more than one model, the model is not resident on a live engine, or an outside holder
+       leases it.
+    3. Otherwise it is in_progress and waits its turn (`queued`).
+    Returns the new status, or None when the batch was cancelled or fenced meanwhile.
+    """
+    BatchRow.objects.filter(batch=batch).delete()  # validating again after a crash starts clean
+    checker = LineChecker(batch.endpoint)
+    pending, models, errors = [], Counter(), []
+    total = invalid = 0
+    for number, raw in enumerate(read_lines(batch.input_file.storage_name), start=1):
+        total = number
+        try:
+            custom_id, body, model = checker.check(raw, number)
+            pending.append(BatchRow(batch=batch, line=number, custom_id=custom_id, body=body))
+            models[model] += 1
+        except LineError as error:
+            invalid += 1
+            message = f"Line {number}: {error.message}"
+            custom_id = _custom_id_of(raw)
+            pending.append(BatchRow(batch=batch, line=number, custom_id=custom_id, outcome=BatchRow.Outcome.INVALID,
+                                    error={"code": error.code, "message": message}))
+            if len(errors) < FIRST_ERRORS:
+                errors.append({"code": error.code, "line": number, "message": message, "param": error.param})
+        if len(pending) >= INSERT_EVERY:
+            BatchRow.objects.bulk_create(pending)
+            pending = []
+            if Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).count() != 1:
+                return None  # cancelled, or another engine took it over
+    BatchRow.objects.bulk_create(pending)
+    valid = total - invalid
+    log.info("validated %s: %d lines, %d valid, %d invalid", batch.pk, total, valid, invalid)
+
+    model = _single_model(models)
+    failure = _batch_failure(batch, valid, models, model, resident_model_id)
+    fields = {"total": total, "failed": invalid, "errors": errors or None}
+    if failure is not None:
+        fields["errors"] = [failure] + (errors[: FIRST_ERRORS - 1])
+        updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
+            model=model, end_status=Batch.Status.FAILED, **fields
+        )
+        return Batch.Status.FAILED if updated else None
+    if batch.endpoint == PROBE_SCORE:
+        model = resident_model_id
+    updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
+        model=model, waiting_reason=Batch.Waiting.QUEUED, **fields
+    )
+    if not updated:
+        return None
+    batch.refresh_from_db()
+    batch._move([Batch.Status.VALIDATING], Batch.Status.IN_PROGRESS)
+    return Batch.Status.IN_PROGRESS
+
+
+def _single_model(models):
+    named = [model for model in models if model is not None]
+    return named[0] if len(named) == 1 else None
+
+
+def _batch_failure(batch, valid, models, model, resident_model_id):
+    def failure(code, message):
+        return {"code": code, "line": None, "message": message, "param": None}
+
+    if valid == 0:
+        return failure("empty_file", "No line of the input file is valid; the error file lists why")
+    named = {name: count for name, count in models.items() if name is not None}
+    if len(named) > 1:
+        listed = ", ".join(f"'{name}' ({count} lines)" for name, count in sorted(named.items()))
+        return failure("multiple_models", f"The valid lines name more than one model: {listed}; a batch runs one model")
+    target = model if batch.endpoint != PROBE_SCORE else resident_model_id
+    if target is None or Engine.objects.serving(target) is None:
+        resident = ", ".join(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
+        return failure(
+            "model_not_resident",
+            f"The model '{target}' is not resident on a live engine (resident: {resident or 'none'}); "
+            "a batch never loads a model: load it first",
+        )
+    lease = Lease.objects.on_model(target)
+    if lease is not None and not lease.holder.startswith("millm-batch:") and lease.pk != batch.lease_id:
+        return failure("model_leased", f"The model '{target}' is leased: {lease.describe()}")
+    return None
+
+
+def _custom_id_of(raw):
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    custom_id = line.get("custom_id") if isinstance(line, dict) else None
+    return custom_id if isinstance(custom_id, str) and len(custom_id) <= 512 else None

@@ -1,0 +1,43 @@
+"""The Batch API: a thin DRF viewset; behaviour lives on Batch and in creation/runner."""
+
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from batches_app.creation import create_batch
+from batches_app.models import Batch
+from inference_app.errors import ApiError
+from inference_app.leases import LEASE_HEADER
+from millm_site.pagination import list_page, query_int
+
+
+class BatchViewSet(viewsets.ViewSet):
+    def list(self, request):
+        limit = query_int(request, "limit", 20, 1, 100)
+        items, has_more = Batch.objects.page(request.query_params.get("after"), limit)
+        return Response(list_page([batch.to_openai() for batch in items], has_more))
+
+    def retrieve(self, request, pk=None):
+        return Response(_batch(pk).to_openai())
+
+    def create(self, request):
+        batch = create_batch(request.data, request.headers.get(LEASE_HEADER), request.headers.get("Idempotency-Key"))
+        return Response(batch.to_openai())
+
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        return Response(_batch(pk).request_cancel().to_openai())
+
+    @action(detail=True, methods=["post"])
+    def lease(self, request, pk=None):
+        return Response(_batch(pk).hand_lease(request.headers.get(LEASE_HEADER)).to_openai())
+
+    def perform_content_negotiation(self, request, force=False):
+        return super().perform_content_negotiation(request, force=True)
+
+
+def _batch(batch_id):
+    batch = Batch.objects.filter(pk=batch_id).first()
+    if batch is None:
+        raise ApiError(404, "batch_not_found", f"No batch has the id '{batch_id}'", param="batch_id")
+    return batch
