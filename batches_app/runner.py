@@ -32,13 +32,23 @@ log = logging.getLogger("millm.batches")
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
-def reconcile_batches(engine_id):
-    """Start-up reconciliation: release every claim held by an engine that is not alive, so the
-    loops pick the batches up again by status: validating validates again; in_progress resumes
-    at its first unrecorded row; finalizing assembles again; cancelling ends cancelled."""
-    live = list(Engine.objects.live().values_list("pk", flat=True))
-    released = Batch.objects.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=live).update(
-        claimed_by=None, claim_token=None
+def reconcile_batches(engine_id, model_id):
+    """Start-up reconciliation: release the claims that no running engine can still act on.
+
+    A claim on a batch of our model held by any other engine is dead: we hold the model's
+    advisory lock, which PostgreSQL gave us only once the previous holder's process was gone
+    (its heartbeat may still look fresh). A claim held by an engine whose heartbeat is stale is
+    dead too. Released batches are picked up again by status: validating validates again;
+    in_progress resumes at its first unrecorded row; finalizing assembles again; cancelling
+    ends cancelled.
+    """
+    live = list(Engine.objects.live().exclude(pk=engine_id).values_list("pk", flat=True))
+    released = (
+        Batch.objects.unfinished()
+        .exclude(claimed_by=None)
+        .exclude(claimed_by=engine_id)
+        .filter(Q(model=model_id) | ~Q(claimed_by__in=live))
+        .update(claimed_by=None, claim_token=None)
     )
     if released:
         log.info("reconciled %d unfinished batch(es) left by a stopped engine", released)
@@ -54,7 +64,7 @@ class BatchRunner:
     # --- entry points the Worker calls ---
 
     def reconcile(self):
-        return reconcile_batches(self.worker.engine_id)
+        return reconcile_batches(self.worker.engine_id, self.worker.source.model_id)
 
     async def run(self):
         await asyncio.gather(self._validation_loop(), self._run_loop())

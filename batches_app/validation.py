@@ -178,7 +178,10 @@ def _batch_failure(batch, valid, models, model, resident_model_id):
         return failure("multiple_models", f"The valid lines name more than one model: {listed}; a batch runs one model")
     target = model if batch.endpoint != PROBE_SCORE else resident_model_id
     if target is None or Engine.objects.serving(target) is None:
-        resident = ", ".join(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
+        resident = ", ".join(
+            f"'{model_id}'"
+            for model_id in Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
+        )
         return failure(
             "model_not_resident",
             f"The model '{target}' is not resident on a live engine (resident: {resident or 'none'}); "
