@@ -1,0 +1,253 @@
+"""Durability and scheduling: kill mid-chunk, queueing, cancel, expiry, leases, interactive
+priority, validation memory. An engine of their own pauses between a chunk's forward pass and
+its record (BATCH_TEST_PAUSE_BEFORE_RECORD_S), so tests can act mid-chunk."""
+
+import signal
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
+from tests.e2e.conftest import MODEL_ID, make_client
+from tests.e2e.stack import Stack, wait_until
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PAUSE = 0.4
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory, test_model_dir):
+    stack = Stack(tmp_path_factory.mktemp("slow"), test_model_dir, BATCH_WAIT_POLL_S=0.2,
+                  BATCH_TEST_PAUSE_BEFORE_RECORD_S=PAUSE)
+    stack.create_database()
+    try:
+        stack.engine = stack.start_engine()
+        stack.web = stack.start_web()
+        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+        stack.client = make_client(stack.web.url)
+        yield stack
+    finally:
+        stack.close()
+
+
+def scoring_lines(count, prefix="row"):
+    return [line(f"{prefix}-{i}", COMPLETIONS, {"model": MODEL_ID, "prompt": f"Item {i}:", "max_tokens": 1, "logprobs": 2})
+            for i in range(count)]
+
+
+def batch_json(stack, batch_id):
+    return httpx.get(stack.web.url + f"/v1/batches/{batch_id}").json()
+
+
+def recorded(stack, batch_id):
+    return dict(stack.sql("SELECT line, request_id FROM batches_app_batchrow WHERE batch_id = %s AND outcome <> 'pending' "
+                          "AND outcome <> 'invalid'", [batch_id]))
+
+
+def every_line_once(client, batch, count, prefix="row"):
+    output, errors = read_jsonl(client, batch.output_file_id), read_jsonl(client, batch.error_file_id)
+    ids = Counter(row["custom_id"] for row in output + errors)
+    assert ids == Counter(f"{prefix}-{i}" for i in range(count))
+    return output, errors
+
+
+def test_a_kill_mid_chunk_loses_nothing_and_runs_no_recorded_row_again(slow):
+    client = slow.client
+    batch = start_batch(client, scoring_lines(40), COMPLETIONS)
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    time.sleep(PAUSE / 3)  # inside the next chunk: computed, not yet recorded
+    before = recorded(slow, batch.id)
+    slow.engine.popen.send_signal(signal.SIGKILL)
+    slow.engine.popen.wait()
+    assert 8 <= len(before) < 40
+
+    slow.engine = slow.start_engine()
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (40, 40, 0)
+    output, errors = every_line_once(client, done, 40)
+    assert errors == []
+    by_line = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
+    assert {line_no: by_line[line_no] for line_no in before} == before  # recorded rows never ran again
+
+
+def test_a_second_batch_waits_queued_then_runs(slow):
+    client = slow.client
+    first = start_batch(client, scoring_lines(24, "first"), COMPLETIONS)
+    second = start_batch(client, scoring_lines(3, "second"), COMPLETIONS)
+    wait_until(lambda: batch_json(slow, second.id)["status"] == "in_progress", 30, "the second batch did not validate")
+    waiting = batch_json(slow, second.id)
+    assert waiting["millm"]["waiting_reason"] == "queued" and batch_json(slow, first.id)["status"] == "in_progress"
+    assert waiting["request_counts"]["completed"] == 0
+    done_first, done_second = wait_for(client, first.id), wait_for(client, second.id)
+    assert done_first.status == done_second.status == "completed"
+    assert done_second.completed_at >= done_first.completed_at
+
+
+def test_cancel_while_running_keeps_recorded_rows_and_marks_the_rest(slow):
+    client = slow.client
+    batch = start_batch(client, scoring_lines(32), COMPLETIONS)
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = wait_for(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at and done.cancelling_at
+    output, errors = every_line_once(client, done, 32)
+    assert len(output) == done.request_counts.completed and 8 <= len(output) < 32
+    assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
+    assert done.request_counts.failed == 0  # unrun rows count in neither
+
+
+def test_cancel_while_validating_ends_cancelled_with_nothing_run(slow):
+    client = slow.client
+    batch = start_batch(client, scoring_lines(20_000), COMPLETIONS)
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status == "cancelling"
+    done = wait_for(client, batch.id, timeout=120)
+    assert done.status == "cancelled"
+    assert done.request_counts.completed == 0 and done.output_file_id is None
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_expiry_keeps_completed_rows_and_marks_unrun_rows_expired(slow):
+    client = slow.client
+    batch = start_batch(client, scoring_lines(32), COMPLETIONS)
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    slow.sql("UPDATE batches_app_batch SET expires_at = now() WHERE id = %s RETURNING id", [batch.id])
+    done = wait_for(client, batch.id)
+    assert done.status == "expired" and done.expired_at
+    output, errors = every_line_once(client, done, 32)
+    assert output and errors and {row["error"]["code"] for row in errors} == {"batch_expired"}
+    assert all(row["response"] is None for row in errors)
+
+
+def lease(stack, holder, ttl=600):
+    response = httpx.post(stack.web.url + f"/api/models/{MODEL_ID}/lease", json={"holder": holder, "reason": "test", "ttl_seconds": ttl})
+    assert response.status_code == 201, response.text
+    return response.json()["data"]["id"]
+
+
+def release(stack, lease_id):
+    httpx.request("DELETE", stack.web.url + f"/api/models/{MODEL_ID}/lease", headers={"X-miLLM-Lease": lease_id})
+
+
+def current_lease(stack):
+    return httpx.get(stack.web.url + f"/api/models/{MODEL_ID}/lease").json()["data"]
+
+
+def test_a_foreign_lease_refuses_the_create_and_the_callers_lease_runs_it_unreleased(slow):
+    client = slow.client
+    alice = lease(slow, "alice")
+    try:
+        with pytest.raises(openai.ConflictError) as caught:
+            start_batch(client, scoring_lines(2), COMPLETIONS)
+        assert caught.value.code == "model_leased" and "alice" in caught.value.message
+        batch = start_batch(client, scoring_lines(9), COMPLETIONS, extra_headers={"X-miLLM-Lease": alice})
+        done = wait_for(client, batch.id)
+        assert done.status == "completed"
+        assert batch_json(slow, batch.id)["millm"]["lease_mode"] == "caller"
+        assert current_lease(slow)["holder"] == "alice"  # used, renewed, never released
+    finally:
+        release(slow, alice)
+
+
+def test_a_foreign_lease_taken_before_validation_ends_fails_the_batch(slow):
+    client = slow.client
+    batch = start_batch(client, scoring_lines(20_000), COMPLETIONS)
+    bob = lease(slow, "bob")
+    try:
+        done = wait_for(client, batch.id, timeout=120)
+        assert done.status == "failed"
+        assert done.errors.data[0].code == "model_leased" and "bob" in done.errors.data[0].message
+        assert done.request_counts.completed == 0
+    finally:
+        release(slow, bob)
+
+
+def test_a_lease_handed_to_a_waiting_batch_lets_it_run_under_it(slow):
+    client = slow.client
+    carol = lease(slow, "carol")
+    batch = start_batch(client, scoring_lines(40), COMPLETIONS, extra_headers={"X-miLLM-Lease": carol})
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    # Right after a record the runner checks its lease, then spends the pause on the next
+    # chunk: end carol's lease and let dave take the model meanwhile.
+    release(slow, carol)
+    dave = lease(slow, "dave")
+    try:
+        wait_until(lambda: batch_json(slow, batch.id)["millm"]["waiting_reason"] == "lease_unavailable", 30,
+                   "the batch did not wait for the lease")
+        stalled = batch_json(slow, batch.id)["request_counts"]["completed"]
+        time.sleep(1.0)
+        assert batch_json(slow, batch.id)["request_counts"]["completed"] == stalled  # no row ran meanwhile
+        handed = httpx.post(slow.web.url + f"/v1/batches/{batch.id}/lease", headers={"X-miLLM-Lease": dave})
+        assert handed.status_code == 200 and handed.json()["millm"]["lease_mode"] == "caller"
+        done = wait_for(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 40
+        assert current_lease(slow)["holder"] == "dave"
+        again = httpx.post(slow.web.url + f"/v1/batches/{batch.id}/lease", headers={"X-miLLM-Lease": dave})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "batch_state_conflict"
+    finally:
+        release(slow, dave)
+
+
+def test_an_interactive_chat_goes_first_at_the_next_chunk_boundary(slow):
+    client = slow.client
+    rows = [line(f"gen-{i}", CHAT, {"model": MODEL_ID, "messages": [{"role": "user", "content": "story"}],
+                                    "max_tokens": 300, "temperature": 0}) for i in range(6)]
+    batch = start_batch(client, rows, CHAT)
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 1)
+    chunk_started = time.monotonic()
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 2)
+    chunk_seconds = time.monotonic() - chunk_started  # one chunk: its forward pass plus the pause
+    started = time.monotonic()
+    answer = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    latency = time.monotonic() - started
+    assert answer.choices
+    progress = client.batches.retrieve(batch.id)
+    assert progress.status == "in_progress" and progress.request_counts.completed < 6
+    # Waited at most for the chunk in flight, then went before the batch's next chunk.
+    assert latency < chunk_seconds + 1.0, (latency, chunk_seconds)
+    client.batches.cancel(batch.id)
+    wait_for(client, batch.id)
+
+
+def rss_mb(pid):
+    for row in open(f"/proc/{pid}/status"):
+        if row.startswith("VmRSS:"):
+            return int(row.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_50000_line_batch_validates_in_bounded_engine_memory(slow):
+    client = slow.client
+    httpx.post(slow.web.url + "/api/models", json={"source": str(slow.model_dir), "id": "tiny-absent"})
+    rows = [line(f"r{i}", COMPLETIONS, {"model": "tiny-absent", "prompt": f"Line {i} of the file", "max_tokens": 1})
+            for i in range(50_000)]
+    pid = slow.engine.popen.pid
+    baseline = rss_mb(pid)
+    peak = [baseline]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_mb(pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        batch = start_batch(client, rows, COMPLETIONS)
+        done = wait_for(client, batch.id, timeout=300)
+    finally:
+        stop.set()
+        sampler.join()
+    # Every line valid, but the model is not resident: it validated all 50,000 and ran none.
+    assert done.status == "failed" and done.errors.data[0].code == "model_not_resident"
+    assert done.request_counts.total == 50_000
+    growth = peak[0] - baseline
+    print(f"engine RSS {baseline:.0f} MB, +{growth:.1f} MB while validating 50,000 lines")
+    assert growth < 64
