@@ -76,13 +76,13 @@ class BatchRunner:
             try:
                 batch = await sync_to_async(self._claim, thread_sensitive=True)(validating=True)
                 if batch is None:
-                    await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                    await self.worker.nap(settings.BATCH_WAIT_POLL_S)
                     continue
                 resident = self.worker.runtime.model_id if self.worker.runtime else None
                 await asyncio.to_thread(self._validate_in_thread, batch, resident)
             except Exception:
                 log.exception("validation failed; retrying")
-                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                await self.worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _validate_in_thread(self, batch, resident):
         try:
@@ -105,14 +105,14 @@ class BatchRunner:
                 await sync_to_async(self._update_waiting_and_backlog)()
                 batch = await sync_to_async(self._claim)(validating=False)
                 if batch is None:
-                    await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                    await self.worker.nap(settings.BATCH_WAIT_POLL_S)
                     continue
                 await self._process(batch)
             except FencedOut as fenced:
                 log.warning("fenced out of %s: another engine claimed it", fenced)
             except Exception:
                 log.exception("the batch runner failed; retrying")
-                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                await self.worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _claim(self, validating):
         """The oldest claimable batch, claimed with a fresh fencing token, or None.
@@ -157,7 +157,7 @@ class BatchRunner:
                 await sync_to_async(self._release)(batch)
                 return
             if verdict == "wait":
-                await self.worker._sleep_unless_stopping(settings.BATCH_WAIT_POLL_S)
+                await self.worker.nap(settings.BATCH_WAIT_POLL_S)
                 continue
             rows = await sync_to_async(self._next_chunk)(batch)
             if not rows:

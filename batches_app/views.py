@@ -7,6 +7,7 @@ from rest_framework.response import Response
 from batches_app.creation import create_batch
 from batches_app.models import Batch
 from inference_app.errors import ApiError
+from inference_app.gateway import wake_engines
 from inference_app.leases import LEASE_HEADER
 from millm_site.pagination import list_page, query_int
 
@@ -22,15 +23,20 @@ class BatchViewSet(viewsets.ViewSet):
 
     def create(self, request):
         batch = create_batch(request.data, request.headers.get(LEASE_HEADER), request.headers.get("Idempotency-Key"))
+        wake_engines()
         return Response(batch.to_openai())
 
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
-        return Response(_batch(pk).request_cancel().to_openai())
+        batch = _batch(pk).request_cancel()
+        wake_engines()
+        return Response(batch.to_openai())
 
     @action(detail=True, methods=["post"])
     def lease(self, request, pk=None):
-        return Response(_batch(pk).hand_lease(request.headers.get(LEASE_HEADER)).to_openai())
+        batch = _batch(pk).hand_lease(request.headers.get(LEASE_HEADER))
+        wake_engines()
+        return Response(batch.to_openai())
 
     def perform_content_negotiation(self, request, force=False):
         return super().perform_content_negotiation(request, force=True)

@@ -9,7 +9,7 @@ hanging until MILLM_REQUEST_TIMEOUT_S.
 import asyncio
 import time
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import async_to_sync, sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 
@@ -195,3 +195,13 @@ async def control(engine, message_type, request_id, **fields):
     if message["type"] == "error":
         raise ApiError.from_wire(message["error"])
     return message["body"]
+
+
+def wake_engines():
+    """Best effort: tell every live engine to look at its batches now, not at its next poll."""
+    layer = get_channel_layer()
+    for channel in Engine.objects.live().values_list("channel", flat=True):
+        try:
+            async_to_sync(layer.send)(channel, {"type": "wake"})
+        except Exception:
+            pass  # the engine polls every BATCH_WAIT_POLL_S anyway

@@ -241,6 +241,7 @@ class Worker:
         2. Wait for the model's advisory lock (another engine may hold it), then load.
         3. Answer forwarded requests until SIGTERM; then finish what is in flight and leave."""
         self.stopping = asyncio.Event()
+        self.nappers = set()
         self.swap_lock = asyncio.Lock()
         self._install_signal_handlers()
         await sync_to_async(self.register)()
@@ -322,6 +323,19 @@ class Worker:
                 log.exception("%s failed; it runs again in %s s", name, interval)
             await self._sleep_unless_stopping(interval)
 
+    async def nap(self, seconds):
+        """Sleep up to `seconds`; a wake message (a batch was created, cancelled, handed a
+        lease) or a stop ends it sooner."""
+        woken = asyncio.Event()
+        self.nappers.add(woken)
+        waiters = {asyncio.create_task(self.stopping.wait()), asyncio.create_task(woken.wait())}
+        try:
+            _, pending = await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.nappers.discard(woken)
+        for waiter in pending:
+            waiter.cancel()
+
     async def _sleep_unless_stopping(self, seconds):
         try:
             await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
@@ -351,6 +365,9 @@ class Worker:
             task.add_done_callback(lambda _: self.requests.pop(message["id"], None))
         elif kind == "cancel":
             self.cancel(message["id"])
+        elif kind == "wake":
+            for woken in self.nappers:
+                woken.set()
         elif kind in ("load", "unload"):
             asyncio.create_task(self._control(message))
 
