@@ -36,13 +36,16 @@ def probe_for_batches(stack):
 @pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS, EMBEDDINGS, PROBES])
 def test_each_output_line_equals_the_synchronous_answer(stack, client, endpoint, probe_for_batches):
     requests = bodies(endpoint, 5)
-    batch = start_batch(client, [line(f"row-{i}", endpoint, body) for i, body in enumerate(requests)], endpoint,
-                        metadata={"purpose": "e2e"})
+    lines = [line(f"row-{i}", endpoint, body) for i, body in enumerate(requests)]
+    lines.append(line("elsewhere", "/v1/elsewhere", requests[0]))  # one invalid line: an error file too
+    batch = start_batch(client, lines, endpoint, metadata={"purpose": "e2e"})
     assert batch.status == "validating" and batch.metadata == {"purpose": "e2e"}
     batch = wait_for(client, batch.id)
     assert batch.status == "completed", batch
-    assert batch.request_counts.total == 5 and batch.request_counts.completed == 5 and batch.request_counts.failed == 0
-    assert batch.model == MODEL_ID and batch.error_file_id is None
+    assert batch.request_counts.total == 6 and batch.request_counts.completed == 5 and batch.request_counts.failed == 1
+    assert batch.model == MODEL_ID
+    [invalid] = read_jsonl(client, batch.error_file_id)
+    assert (invalid["custom_id"], invalid["line"], invalid["error"]["code"]) == ("elsewhere", 6, "invalid_url")
     output = read_jsonl(client, batch.output_file_id)
     assert [row["custom_id"] for row in output] == [f"row-{i}" for i in range(5)]
     for row, body in zip(output, requests):
@@ -60,6 +63,8 @@ def test_each_output_line_equals_the_synchronous_answer(stack, client, endpoint,
     if endpoint != PROBES:
         assert batch.usage.input_tokens == sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in output)
     assert batch.id in [item.id for item in client.batches.list(limit=2)]  # auto-paging
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
 
 
 def test_invalid_lines_go_to_the_error_file_with_their_line_numbers(client):
