@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from batches_app import assembly, validation
 from batches_app.models import Batch, BatchRow, FencedOut
-from inference_app.engine import services
+from inference_app.engine import packing, services
 from inference_app.errors import ApiError
 from inference_app.models import Engine, Lease, new_id
 from inference_app.schemas import PROBE_SCORE, parse_request
@@ -30,6 +30,7 @@ from inference_app.schemas import PROBE_SCORE, parse_request
 log = logging.getLogger("millm.batches")
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+PACKABLE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 def reconcile_batches(engine_id, model_id):
@@ -60,6 +61,7 @@ class BatchRunner:
         self.worker = worker
         self.chunks = 0
         self.last_backlog = None
+        self.lengths = {}  # row id -> token length, for length-aware packing
 
     # --- entry points the Worker calls ---
 
@@ -216,8 +218,29 @@ class BatchRunner:
         return True
 
     def _next_chunk(self, batch):
-        size = 1 if self._one_per_chunk(batch) else settings.BATCH_CHUNK_ROWS
-        return list(batch.rows.unrecorded()[:size])
+        if self._one_per_chunk(batch):
+            return list(batch.rows.unrecorded()[:1])
+        if not (batch.pack and batch.endpoint in PACKABLE_ENDPOINTS):
+            return list(batch.rows.unrecorded()[: settings.BATCH_CHUNK_ROWS])
+        if not batch.pack_window:
+            return list(batch.rows.unrecorded()[: settings.BATCH_PACK_MAX_ROWS])
+        # Length-aware: of the next `pack_window` rows, the ones of most similar length go
+        # together; each row is still recorded on its own line, so the output stays in order.
+        window = list(batch.rows.unrecorded()[: batch.pack_window])
+        for row in window:
+            if row.pk not in self.lengths:
+                self.lengths[row.pk] = self._length(batch.endpoint, row.body)
+        window.sort(key=lambda row: (self.lengths[row.pk], row.line))
+        chunk = window[: settings.BATCH_PACK_MAX_ROWS]
+        for row in chunk:
+            self.lengths.pop(row.pk, None)
+        return chunk
+
+    def _length(self, endpoint, body):
+        try:
+            return packing.sequence_length(self.worker.runtime, parse_request(endpoint, body, strict=True))
+        except ApiError:
+            return 0
 
     @staticmethod
     def _one_per_chunk(batch):
@@ -239,7 +262,7 @@ class BatchRunner:
         started = time.monotonic()
         try:
             results = await asyncio.get_running_loop().run_in_executor(
-                worker.executor, execute_rows, worker.runtime, batch.endpoint, rows, probes
+                worker.executor, execute_rows, worker.runtime, batch.endpoint, rows, probes, batch.pack
             )
         finally:
             worker.slot.release(False, time.monotonic() - started)
@@ -294,24 +317,40 @@ class BatchRunner:
             self.last_backlog = backlog
 
 
-def execute_rows(runtime, endpoint, rows, probes=None):
-    """Runs in the model thread: each row through the synchronous route's service function."""
-    results = []
+def execute_rows(runtime, endpoint, rows, probes=None, pack=False):
+    """Runs in the model thread: each row through the synchronous route's service function, or,
+    with `pack`, scoring and embedding rows many to a forward pass."""
+    parsed, outcomes = {}, {}
     for row in rows:
-        request_id = new_id("req_")
         try:
-            parsed = parse_request(endpoint, row.body, strict=True)
+            parsed[row.pk] = parse_request(endpoint, row.body, strict=True)
+        except ApiError as error:
+            outcomes[row.pk] = error
+    packed = [row for row in rows if pack and row.pk in parsed and services.is_packable(parsed[row.pk])]
+    if packed:
+        for row, outcome in zip(packed, packing.run_packed(runtime, [parsed[row.pk] for row in packed])):
+            outcomes[row.pk] = outcome
+    for row in rows:
+        if row.pk in outcomes:
+            continue
+        try:
             row_probes = None
             if probes is not None:
                 row_probes = probes[row.pk]
                 if isinstance(row_probes, ApiError):
                     raise row_probes
-            result = services.run(runtime, parsed, probes=row_probes)
-            usage = result.body.get("usage") or {}
-            results.append((row, BatchRow.Outcome.SUCCEEDED, result.body, None, request_id, False, result.headers, usage))
+            outcomes[row.pk] = services.run(runtime, parsed[row.pk], probes=row_probes)
         except ApiError as error:
-            body = error.management_body() if endpoint == PROBE_SCORE else error.body()
-            failure = {"status": error.status, "code": error.code, "message": f"Line {row.line}: {error.message}"}
-            results.append((row, BatchRow.Outcome.FAILED, body, failure, request_id, False, None, {}))
-    return results
+            outcomes[row.pk] = error
+    packed_ids = {row.pk for row in packed}
+    return [_result(row, endpoint, outcomes[row.pk], row.pk in packed_ids) for row in rows]
 
+
+def _result(row, endpoint, outcome, packed):
+    request_id = new_id("req_")
+    if isinstance(outcome, ApiError):
+        body = outcome.management_body() if endpoint == PROBE_SCORE else outcome.body()
+        failure = {"status": outcome.status, "code": outcome.code, "message": f"Line {row.line}: {outcome.message}"}
+        return (row, BatchRow.Outcome.FAILED, body, failure, request_id, packed, None, {})
+    usage = outcome.body.get("usage") or {}
+    return (row, BatchRow.Outcome.SUCCEEDED, outcome.body, None, request_id, packed, outcome.headers, usage)

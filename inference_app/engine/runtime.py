@@ -107,6 +107,46 @@ class ResidentModel:
             return int(order[choice])
         return int(torch.multinomial(probs, 1, generator=generator))
 
+    def _right_padded(self, sequences):
+        lengths = torch.tensor([len(ids) for ids in sequences], device=self.device)
+        width = int(lengths.max())
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(sequences), width), pad, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long, device=self.device)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long, device=self.device)
+            mask[row, : len(sequence)] = 1
+        # Right padding: real tokens keep positions 0..n-1 and never attend to padding, which
+        # only ever follows them.
+        hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return hidden, lengths, mask
+
+    @torch.inference_mode()
+    def packed_last_logits(self, sequences):
+        """Logits at each sequence's own last real token, from one right-padded forward pass.
+
+        The head runs only at the gathered positions, never over the whole pack.
+        """
+        hidden, lengths, _ = self._right_padded(sequences)
+        gathered = hidden[torch.arange(len(sequences), device=self.device), lengths - 1]
+        return list(self.model.get_output_embeddings()(gathered).float())
+
+    @torch.inference_mode()
+    def packed_embed(self, sequences, pooling, normalize):
+        """Each sequence pooled over its own tokens (by the attention mask), as float32."""
+        hidden, lengths, mask = self._right_padded(sequences)
+        hidden = hidden.float()
+        if pooling == "mean":
+            weights = mask.unsqueeze(-1).to(hidden.dtype)
+            vectors = (hidden * weights).sum(dim=1) / lengths.unsqueeze(-1).to(hidden.dtype)
+        elif pooling == "last":
+            vectors = hidden[torch.arange(len(sequences), device=self.device), lengths - 1]
+        else:
+            vectors = hidden[:, 0]
+        if normalize:
+            vectors = F.normalize(vectors, p=2, dim=-1)
+        return list(vectors.cpu())
+
     @property
     def num_layers(self):
         return int(self.model.config.num_hidden_layers)

@@ -77,9 +77,9 @@ def headers_for(runtime, parsed):
 
 def chat_completion(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
-    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
     if request.is_scoring():
-        return ServiceResult(_chat_score(runtime, request, prompt_ids), headers_for(runtime, parsed))
+        return score(runtime, parsed)
+    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
     max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
     text, finish_reason, produced = _generate_text(runtime, request, prompt_ids, max_tokens, cancelled)
     body = _chat_body(runtime, text, finish_reason, _usage(len(prompt_ids), produced))
@@ -136,46 +136,34 @@ def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
     return headers_for(runtime, parsed), chunks()
 
 
-def _chat_score(runtime, request, prompt_ids):
-    count = _top_count(request.top_logprobs, request.allowed_token_ids)
-    chosen, logprob, top = score_next_token(
-        runtime, prompt_ids, request.temperature, request.allowed_token_ids, count, "messages"
-    )
-    entry = _token_entry(runtime, chosen, logprob)
-    entry["top_logprobs"] = [_token_entry(runtime, token_id, value) for token_id, value in top]
-    logprobs = {"content": [entry], "refusal": None}
-    return _chat_body(runtime, runtime.token_string(chosen), "length", _usage(len(prompt_ids), 1), logprobs)
-
-
 # --- completions ---
 
 
 def completion(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
-    encoded = [runtime.encode(prompt) for prompt in request.prompts()]
     if request.is_scoring():
-        choices = [_completion_score(runtime, request, ids, index) for index, ids in enumerate(encoded)]
-        prompt_tokens, produced = sum(len(ids) for ids in encoded), len(encoded)
-    else:
-        limits = [
-            _max_tokens(runtime, ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in encoded
-        ]
-        choices, prompt_tokens, produced = [], 0, 0
-        for index, (ids, limit) in enumerate(zip(encoded, limits)):
-            text, finish_reason, count = _generate_text(runtime, request, ids, limit, cancelled)
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
-            prompt_tokens += len(ids)
-            produced += count
-    body = {
+        return score(runtime, parsed)
+    encoded = [runtime.encode(prompt) for prompt in request.prompts()]
+    limits = [_max_tokens(runtime, ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in encoded]
+    choices, prompt_tokens, produced = [], 0, 0
+    for index, (ids, limit) in enumerate(zip(encoded, limits)):
+        text, finish_reason, count = _generate_text(runtime, request, ids, limit, cancelled)
+        choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        prompt_tokens += len(ids)
+        produced += count
+    return ServiceResult(_completion_body(runtime, choices, _usage(prompt_tokens, produced)), headers_for(runtime, parsed))
+
+
+def _completion_body(runtime, choices, usage):
+    return {
         "id": new_id("cmpl-"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": runtime.model_id,
         "system_fingerprint": runtime.fingerprint,
         "choices": choices,
-        "usage": _usage(prompt_tokens, produced),
+        "usage": usage,
     }
-    return ServiceResult(body, headers_for(runtime, parsed))
 
 
 def completion_stream(runtime, parsed, cancelled=never_cancelled):
@@ -208,43 +196,95 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
     return headers_for(runtime, parsed), chunks()
 
 
-def _completion_score(runtime, request, prompt_ids, index):
-    count = _top_count(request.logprobs, request.allowed_token_ids)
-    chosen, logprob, top = score_next_token(runtime, prompt_ids, request.temperature, request.allowed_token_ids, count)
-    token = runtime.token_string(chosen)
-    top_map = {}
-    for token_id, value in top:
-        top_map.setdefault(runtime.token_string(token_id), value)
-    return {
-        "index": index,
-        "text": token,
-        "logprobs": {"tokens": [token], "token_logprobs": [logprob], "top_logprobs": [top_map], "text_offset": [0]},
-        "finish_reason": "length",
-    }
-
-
 # --- scoring, shared by chat and completions ---
 
 
-def score_next_token(runtime, prompt_ids, temperature, allowed_token_ids, top_count, prompt_param="prompt"):
-    """The distribution at the prompt's last token (SPEC 4, scoring mode).
+def is_packable(parsed):
+    """Scoring rows and embedding rows may run packed; generation and probe scores never."""
+    if parsed.endpoint == EMBEDDINGS:
+        return True
+    return parsed.endpoint in (CHAT, COMPLETIONS) and parsed.request.is_scoring()
 
-    Returns (chosen id, its logprob, [(id, logprob)] of the `top_count` most probable,
-    impossible tokens left out).
-    """
-    _check_context(runtime, len(prompt_ids), 1, prompt_param)
-    logits = runtime.last_logits(prompt_ids)
+
+def plan(runtime, parsed):
+    """The token sequences a packable request runs, each checked before any forward pass: one
+    per prompt (scoring) or per input (embeddings). A refusal is the route's own ApiError."""
+    request = parsed.request
+    if parsed.endpoint == EMBEDDINGS:
+        encoded = [runtime.encode(text) for text in request.inputs()]
+        for index, ids in enumerate(encoded):
+            if len(ids) > runtime.context_length:
+                raise ApiError(
+                    400,
+                    "context_length_exceeded",
+                    f"Input {index} is {len(ids)} tokens, over this model's maximum context length of "
+                    f"{runtime.context_length} tokens; nothing was truncated",
+                    param=f"input[{index}]",
+                )
+        return encoded
+    if parsed.endpoint == CHAT:
+        encoded, prompt_param = [runtime.encode(runtime.render_chat(request.messages))], "messages"
+    else:
+        encoded, prompt_param = [runtime.encode(prompt) for prompt in request.prompts()], "prompt"
+    for ids in encoded:
+        _check_context(runtime, len(ids), 1, prompt_param)
+    outside = [token_id for token_id in request.allowed_token_ids or () if token_id >= runtime.vocab_size]
+    if outside:
+        raise ApiError(
+            400,
+            "invalid_scoring_request",
+            f"allowed_token_ids holds {outside[0]}, outside the vocabulary of {runtime.vocab_size} tokens",
+            param="allowed_token_ids",
+        )
+    return encoded
+
+
+def score(runtime, parsed):
+    """Scoring mode, one sequence per forward pass: the head runs at the last position only."""
+    encoded = plan(runtime, parsed)
+    return build(runtime, parsed, encoded, [runtime.last_logits(ids) for ids in encoded])
+
+
+def build(runtime, parsed, encoded, outputs):
+    """The response body from the forward passes' outputs (logits at each sequence's last
+    token, or pooled vectors): the same builder for single and packed rows."""
+    request = parsed.request
+    if parsed.endpoint == EMBEDDINGS:
+        body = _embeddings_body(runtime, request, encoded, outputs)
+    elif parsed.endpoint == CHAT:
+        count = _top_count(request.top_logprobs, request.allowed_token_ids)
+        chosen, logprob, top = score_from_logits(outputs[0], request.temperature, request.allowed_token_ids, count)
+        entry = _token_entry(runtime, chosen, logprob)
+        entry["top_logprobs"] = [_token_entry(runtime, token_id, value) for token_id, value in top]
+        logprobs = {"content": [entry], "refusal": None}
+        body = _chat_body(runtime, runtime.token_string(chosen), "length", _usage(len(encoded[0]), 1), logprobs)
+    else:
+        count = _top_count(request.logprobs, request.allowed_token_ids)
+        choices = []
+        for index, logits in enumerate(outputs):
+            chosen, logprob, top = score_from_logits(logits, request.temperature, request.allowed_token_ids, count)
+            token = runtime.token_string(chosen)
+            top_map = {}
+            for token_id, value in top:
+                top_map.setdefault(runtime.token_string(token_id), value)
+            choices.append({
+                "index": index,
+                "text": token,
+                "logprobs": {"tokens": [token], "token_logprobs": [logprob], "top_logprobs": [top_map], "text_offset": [0]},
+                "finish_reason": "length",
+            })
+        usage = _usage(sum(len(ids) for ids in encoded), len(encoded))
+        body = _completion_body(runtime, choices, usage)
+    return ServiceResult(body, headers_for(runtime, parsed))
+
+
+def score_from_logits(logits, temperature, allowed_token_ids, top_count):
+    """The distribution at a prompt's last token (SPEC 4): divided by the temperature when not
+    0, restricted and renormalised over `allowed_token_ids`. Returns (chosen id, its logprob,
+    [(id, logprob)] of the `top_count` most probable, impossible tokens left out)."""
     if temperature:
         logits = logits / temperature
     if allowed_token_ids is not None:
-        outside = [token_id for token_id in allowed_token_ids if token_id >= runtime.vocab_size]
-        if outside:
-            raise ApiError(
-                400,
-                "invalid_scoring_request",
-                f"allowed_token_ids holds {outside[0]}, outside the vocabulary of {runtime.vocab_size} tokens",
-                param="allowed_token_ids",
-            )
         allowed = torch.tensor(sorted(set(allowed_token_ids)), dtype=torch.long, device=logits.device)
         restricted = torch.full_like(logits, -math.inf)
         restricted[allowed] = logits[allowed]
@@ -270,30 +310,20 @@ def _token_entry(runtime, token_id, logprob):
 
 
 def embeddings(runtime, parsed):
+    """Each input alone, unpadded; every input is checked before any forward pass."""
     request = parsed.request
-    encoded = [runtime.encode(text) for text in request.inputs()]
-    # Every input is checked before any forward pass: nothing runs for a request that fails.
-    for index, ids in enumerate(encoded):
-        if len(ids) > runtime.context_length:
-            raise ApiError(
-                400,
-                "context_length_exceeded",
-                f"Input {index} is {len(ids)} tokens, over this model's maximum context length of "
-                f"{runtime.context_length} tokens; nothing was truncated",
-                param=f"input[{index}]",
-            )
-    data = []
-    for index, ids in enumerate(encoded):
-        vector = runtime.embed(ids, request.pooling, request.normalize)
-        data.append({"object": "embedding", "index": index, "embedding": encode_vector(vector, request.encoding_format)})
+    encoded = plan(runtime, parsed)
+    vectors = [runtime.embed(ids, request.pooling, request.normalize) for ids in encoded]
+    return build(runtime, parsed, encoded, vectors)
+
+
+def _embeddings_body(runtime, request, encoded, vectors):
+    data = [
+        {"object": "embedding", "index": index, "embedding": encode_vector(vector, request.encoding_format)}
+        for index, vector in enumerate(vectors)
+    ]
     tokens = sum(len(ids) for ids in encoded)
-    body = {
-        "object": "list",
-        "data": data,
-        "model": runtime.model_id,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return ServiceResult(body, headers_for(runtime, parsed))
+    return {"object": "list", "data": data, "model": runtime.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def encode_vector(vector, encoding_format):
