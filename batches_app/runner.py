@@ -230,8 +230,7 @@ class BatchRunner:
         for row in window:
             if row.pk not in self.lengths:
                 self.lengths[row.pk] = self._length(batch.endpoint, row.body)
-        window.sort(key=lambda row: (self.lengths[row.pk], row.line))
-        chunk = window[: settings.BATCH_PACK_MAX_ROWS]
+        chunk = packing.choose_pack(window, lambda row: self.lengths[row.pk], settings.BATCH_PACK_MAX_ROWS)
         for row in chunk:
             self.lengths.pop(row.pk, None)
         return chunk

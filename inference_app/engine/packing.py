@@ -95,3 +95,10 @@ def sequence_length(runtime, parsed):
         return max(len(ids) for ids in services.plan(runtime, parsed))
     except ApiError:
         return 0
+
+
+def choose_pack(window, length_of, max_rows):
+    """Length-aware packing: of a window of rows (in file order), the `max_rows` shortest, ties
+    in file order. Called again on what is left, it groups rows of similar length together."""
+    ranked = sorted(enumerate(window), key=lambda pair: (length_of(pair[1]), pair[0]))
+    return [item for _, item in ranked[:max_rows]]
