@@ -76,7 +76,9 @@ def assemble(batch):
         output.discard()
         errors.discard()
     with transaction.atomic():
-        batch.fenced()
+        locked = batch.fenced()
+        if locked.status == Batch.Status.CANCELLING and end == Batch.Status.FAILED and not reached_progress:
+            end = Batch.Status.CANCELLED  # cancelled while validating: the cancel wins
         stamp = {f"{end}_at": timezone.now()}
         Batch.objects.filter(pk=batch.pk).update(
             status=end, output_file=output_file, error_file=error_file, waiting_reason=None, **stamp

@@ -151,6 +151,12 @@ class Batch(models.Model):
         lease = presented_lease(header)
         if not lease.live:
             raise lease_expired(lease)
+        if self.model and lease.model_id != self.model:
+            raise ApiError(
+                409, "batch_state_conflict",
+                f"The lease is on '{lease.model_id}', but the batch runs '{self.model}'",
+                param=LEASE_HEADER,
+            )
         previous = self.lease_id if self.lease_mode == "own" else None
         updated = Batch.objects.filter(pk=self.pk, status__in=self.UNFINISHED).update(lease=lease, lease_mode="caller")
         if updated != 1:

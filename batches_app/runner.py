@@ -17,13 +17,13 @@ import time
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.db.models import Q
+from django.db.models import Case, Q, When
 from django.utils import timezone
 
 from batches_app import assembly, validation
 from batches_app.models import Batch, BatchRow, FencedOut
 from inference_app.engine import packing, services
-from inference_app.errors import ApiError
+from inference_app.errors import ApiError, internal_error
 from inference_app.models import Engine, Lease, new_id
 from inference_app.schemas import PROBE_SCORE, parse_request
 
@@ -34,26 +34,36 @@ PACKABLE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings
 
 
 def reconcile_batches(engine_id, model_id):
-    """Start-up reconciliation: release the claims that no running engine can still act on.
+    """Start-up reconciliation: release the claims no running engine can still act on.
 
-    A claim on a batch of our model held by any other engine is dead: we hold the model's
-    advisory lock, which PostgreSQL gave us only once the previous holder's process was gone
-    (its heartbeat may still look fresh). A claim held by an engine whose heartbeat is stale is
-    dead too. Released batches are picked up again by status: validating validates again;
-    in_progress resumes at its first unrecorded row; finalizing assembles again; cancelling
-    ends cancelled.
+    Claims of engines started for our model are dead: we hold the model's advisory lock, which
+    PostgreSQL gave us only once the previous holder's process was gone (its heartbeat may still
+    look fresh). Claims of engines whose heartbeat is stale are dead too. Released batches are
+    picked up again by status: validating validates again; in_progress resumes at its first
+    unrecorded row; finalizing assembles again; cancelling ends cancelled.
     """
-    live = list(Engine.objects.live().exclude(pk=engine_id).values_list("pk", flat=True))
+    same_model = Engine.objects.filter(model_id=model_id).exclude(pk=engine_id).values_list("pk", flat=True)
     released = (
         Batch.objects.unfinished()
         .exclude(claimed_by=None)
         .exclude(claimed_by=engine_id)
-        .filter(Q(model=model_id) | ~Q(claimed_by__in=live))
+        .filter(Q(claimed_by__in=list(same_model)) | ~Q(claimed_by__in=_live_engines()))
         .update(claimed_by=None, claim_token=None)
     )
     if released:
         log.info("reconciled %d unfinished batch(es) left by a stopped engine", released)
     return released
+
+
+def release_stale_claims():
+    """While running: claims of engines whose heartbeat went stale (never a live engine's)."""
+    return Batch.objects.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_live_engines()).update(
+        claimed_by=None, claim_token=None
+    )
+
+
+def _live_engines():
+    return list(Engine.objects.live().values_list("pk", flat=True))
 
 
 class BatchRunner:
@@ -96,6 +106,9 @@ class BatchRunner:
                 self._release(batch)
         except FencedOut:
             log.warning("batch %s was taken over during validation", batch.pk)
+        except Exception:
+            log.exception("validating %s failed; it will be validated again", batch.pk)
+            self._release(batch)
         finally:
             connection.close()
 
@@ -103,17 +116,18 @@ class BatchRunner:
 
     async def _run_loop(self):
         while not self.worker.stopping.is_set():
+            batch = None
             try:
-                await sync_to_async(self._update_waiting_and_backlog)()
+                await sync_to_async(self._sweep)()
                 batch = await sync_to_async(self._claim)(validating=False)
-                if batch is None:
+                if batch is None or await self._process(batch) == "waiting":
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
-                    continue
-                await self._process(batch)
             except FencedOut as fenced:
                 log.warning("fenced out of %s: another engine claimed it", fenced)
             except Exception:
-                log.exception("the batch runner failed; retrying")
+                log.exception("the batch runner failed; the batch is released and retried")
+                if batch is not None:
+                    await sync_to_async(self._release)(batch)
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _claim(self, validating):
@@ -135,7 +149,8 @@ class BatchRunner:
             batch = (
                 Batch.objects.select_for_update(skip_locked=True)
                 .filter(runnable, claimed_by__isnull=True)
-                .order_by("created_at", "id")
+                .annotate(ending=Case(When(Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=True), then=1), default=0))
+                .order_by("ending", "created_at", "id")
                 .first()
             )
             if batch is None or batch.claim(self.worker.engine_id) is None:
@@ -146,29 +161,31 @@ class BatchRunner:
         Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(claimed_by=None, claim_token=None)
 
     async def _process(self, batch):
-        """Run one claimed batch until it ends or must wait."""
+        """Run one claimed batch until it ends or must wait; "waiting" when it must."""
         if batch.status != Batch.Status.IN_PROGRESS or batch.end_status:
             await self._assemble(batch)
-            return
+            return "ended"
+        swept = time.monotonic()
         while not self.worker.stopping.is_set():
+            if time.monotonic() - swept > settings.BATCH_WAIT_POLL_S:
+                await sync_to_async(self._sweep)()  # the others' expiry and waiting reasons
+                swept = time.monotonic()
             verdict = await sync_to_async(self._before_chunk)(batch)
             if verdict == "assemble":
                 await self._assemble(batch)
-                return
-            if verdict == "release":
+                return "ended"
+            if verdict in ("release", "wait"):
                 await sync_to_async(self._release)(batch)
-                return
-            if verdict == "wait":
-                await self.worker.nap(settings.BATCH_WAIT_POLL_S)
-                continue
+                return "waiting" if verdict == "wait" else "released"
             rows = await sync_to_async(self._next_chunk)(batch)
             if not rows:
-                moved = await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING)
-                if moved:
+                if await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING):
                     await self._assemble(batch)
-                return
+                    return "ended"
+                continue  # cancelled meanwhile: the next check sees it
             await self._run_chunk(batch, rows)
         await sync_to_async(self._release)(batch)
+        return "stopped"
 
     def _before_chunk(self, batch):
         """Cancelled? expired? model resident? lease held? Record the waiting reason if not."""
@@ -197,7 +214,7 @@ class BatchRunner:
         """The batch runs under its caller's live lease, or its own (acquired, renewed after a
         third of its TTL); an outside holder's live lease makes it wait."""
         lease = Lease.objects.filter(pk=batch.lease_id).first() if batch.lease_id else None
-        if lease is not None and lease.live:
+        if lease is not None and lease.live and lease.model_id == batch.model:
             if (timezone.now() - lease.renewed_at).total_seconds() > lease.ttl_seconds / 3:
                 lease.renew()
             return True
@@ -260,8 +277,11 @@ class BatchRunner:
         await worker.slot.acquire(interactive=False)
         started = time.monotonic()
         try:
+            runtime = worker.runtime
+            if runtime is None or runtime.model_id != batch.model:
+                return  # a swap took the slot first: the next check makes the batch wait
             results = await asyncio.get_running_loop().run_in_executor(
-                worker.executor, execute_rows, worker.runtime, batch.endpoint, rows, probes, batch.pack
+                worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack
             )
         finally:
             worker.slot.release(False, time.monotonic() - started)
@@ -294,22 +314,26 @@ class BatchRunner:
     def on_progress(self, batch):
         """The seam for progress events (the events issue sends batch:progress here)."""
 
-    def _update_waiting_and_backlog(self):
-        """Queued batches say why they wait; the heartbeat row carries the backlog."""
+    def _sweep(self):
+        """Between chunks and while idle: dead claims released, queued batches say why they
+        wait, unclaimed batches past expires_at end expired, the heartbeat row has the backlog."""
         close_old_connections()
+        release_stale_claims()
         serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
         waiting = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)
-        waiting.filter(model__in=serving).exclude(waiting_reason=Batch.Waiting.QUEUED).update(waiting_reason=Batch.Waiting.QUEUED)
+        waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]).update(
+            waiting_reason=Batch.Waiting.QUEUED
+        )
         waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT).update(
             waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT
         )
-        for batch in Batch.objects.filter(status=Batch.Status.IN_PROGRESS, end_status__isnull=True, expires_at__lte=timezone.now(), claimed_by__isnull=True):
-            Batch.objects.filter(pk=batch.pk, claimed_by__isnull=True).update(end_status=Batch.Status.EXPIRED)
+        waiting.filter(expires_at__lte=timezone.now()).update(end_status=Batch.Status.EXPIRED)
         runtime = self.worker.runtime
-        backlog = 0
+        backlog = None  # unknown without a resident model: null, never a fake 0
         if runtime is not None:
             backlog = BatchRow.objects.filter(
-                batch__status=Batch.Status.IN_PROGRESS, batch__model=runtime.model_id, outcome=BatchRow.Outcome.PENDING
+                batch__status=Batch.Status.IN_PROGRESS, batch__end_status__isnull=True,
+                batch__model=runtime.model_id, outcome=BatchRow.Outcome.PENDING,
             ).count()
         if backlog != self.last_backlog:
             Engine.objects.filter(pk=self.worker.engine_id).update(batch_backlog_rows=backlog)
@@ -327,8 +351,12 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False):
             outcomes[row.pk] = error
     packed = [row for row in rows if pack and row.pk in parsed and services.is_packable(parsed[row.pk])]
     if packed:
-        for row, outcome in zip(packed, packing.run_packed(runtime, [parsed[row.pk] for row in packed])):
-            outcomes[row.pk] = outcome
+        try:
+            for row, outcome in zip(packed, packing.run_packed(runtime, [parsed[row.pk] for row in packed])):
+                outcomes[row.pk] = outcome
+        except Exception:
+            log.exception("a pack of %s failed; its rows run one at a time", rows[0].batch_id)
+            packed = []
     for row in rows:
         if row.pk in outcomes:
             continue
@@ -341,6 +369,10 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False):
             outcomes[row.pk] = services.run(runtime, parsed[row.pk], probes=row_probes)
         except ApiError as error:
             outcomes[row.pk] = error
+        except Exception:
+            # A row that breaks the service must not break the batch (nor run forever).
+            log.exception("line %d of %s failed", row.line, row.batch_id)
+            outcomes[row.pk] = internal_error()
     packed_ids = {row.pk for row in packed}
     return [_result(row, endpoint, outcomes[row.pk], row.pk in packed_ids) for row in rows]
 

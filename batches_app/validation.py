@@ -11,6 +11,7 @@ import logging
 from collections import Counter
 
 from django.conf import settings
+from django.db import transaction
 
 from batches_app.models import Batch, BatchRow
 from files_app.models import file_storage
@@ -113,7 +114,23 @@ def validate(batch, resident_model_id):
     3. Otherwise it is in_progress and waits its turn (`queued`).
     Returns the new status, or None when the batch was cancelled or fenced meanwhile.
     """
-    BatchRow.objects.filter(batch=batch).delete()  # validating again after a crash starts clean
+    with transaction.atomic():
+        batch.fenced()
+        BatchRow.objects.filter(batch=batch).delete()  # validating again after a crash starts clean
+    try:
+        return _validate_lines(batch, resident_model_id)
+    except OSError as error:
+        # The input's bytes are gone (deleted or lost under us): fail, do not retry forever.
+        log.error("cannot read the input file of %s: %s", batch.pk, error)
+        failure = {"code": "input_file_unreadable", "line": None, "param": None,
+                   "message": f"The input file {batch.input_file_id} could not be read: {error}"}
+        updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
+            end_status=Batch.Status.FAILED, errors=[failure]
+        )
+        return Batch.Status.FAILED if updated else None
+
+
+def _validate_lines(batch, resident_model_id):
     checker = LineChecker(batch.endpoint)
     pending, models, errors = [], Counter(), []
     total = invalid = 0
@@ -132,11 +149,11 @@ def validate(batch, resident_model_id):
             if len(errors) < FIRST_ERRORS:
                 errors.append({"code": error.code, "line": number, "message": message, "param": error.param})
         if len(pending) >= INSERT_EVERY:
-            BatchRow.objects.bulk_create(pending)
-            pending = []
-            if Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).count() != 1:
+            if not _insert_fenced(batch, pending):
                 return None  # cancelled, or another engine took it over
-    BatchRow.objects.bulk_create(pending)
+            pending = []
+    if not _insert_fenced(batch, pending):
+        return None
     valid = total - invalid
     log.info("validated %s: %d lines, %d valid, %d invalid", batch.pk, total, valid, invalid)
 
@@ -159,6 +176,16 @@ def validate(batch, resident_model_id):
     batch.refresh_from_db()
     batch._move([Batch.Status.VALIDATING], Batch.Status.IN_PROGRESS)
     return Batch.Status.IN_PROGRESS
+
+
+def _insert_fenced(batch, rows):
+    """Insert while our claim holds and the batch still validates; False otherwise."""
+    with transaction.atomic():
+        locked = Batch.objects.select_for_update().filter(pk=batch.pk, claim_token=batch.claim_token).first()
+        if locked is None or locked.status != Batch.Status.VALIDATING:
+            return False
+        BatchRow.objects.bulk_create(rows)
+    return True
 
 
 def _single_model(models):
