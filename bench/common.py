@@ -39,6 +39,19 @@ def median_seconds(function, repeats):
     return statistics.median(timings), result
 
 
+def interleaved_medians(functions, repeats):
+    """Run each function once per round, `repeats` rounds, and return each one's median seconds
+    and last result. Interleaving keeps a shared machine's drift out of the ratios."""
+    timings = {name: [] for name in functions}
+    results = {}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            started = time.perf_counter()
+            results[name] = function()
+            timings[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in timings.items()}, results
+
+
 def machine():
     import torch
 

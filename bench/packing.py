@@ -19,7 +19,7 @@ def main(argv=None):
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the packaged SmolLM2)")
     args = parser.parse_args(argv)
 
-    from bench.common import load_resident, median_seconds, report, setup_django
+    from bench.common import interleaved_medians, load_resident, report, setup_django
 
     setup_django()
     import torch
@@ -67,11 +67,18 @@ def main(argv=None):
 
     with torch.inference_mode():
         single(scoring[:8])  # warm up
-        single_s, alone = median_seconds(lambda: single(scoring), args.repeats)
-        file_s, _ = median_seconds(lambda: in_file_order(scoring), args.repeats)
-        aware_s, together = median_seconds(lambda: length_aware(scoring), args.repeats)
-        embed_single_s, embed_alone = median_seconds(lambda: single(embedding), 1)
-        embed_aware_s, embed_together = median_seconds(lambda: length_aware(embedding), 1)
+        seconds, results = interleaved_medians(
+            {"single": lambda: single(scoring), "file": lambda: in_file_order(scoring),
+             "aware": lambda: length_aware(scoring)},
+            args.repeats,
+        )
+        single_s, file_s, aware_s = seconds["single"], seconds["file"], seconds["aware"]
+        alone, together = results["single"], results["aware"]
+        seconds, results = interleaved_medians(
+            {"single": lambda: single(embedding), "aware": lambda: length_aware(embedding)}, 1
+        )
+        embed_single_s, embed_aware_s = seconds["single"], seconds["aware"]
+        embed_alone, embed_together = results["single"], results["aware"]
 
     largest, changed = 0.0, 0
     for a, b in zip(alone, together):
