@@ -20,7 +20,7 @@ from django.db import close_old_connections, connection, transaction
 from django.db.models import Case, Q, When
 from django.utils import timezone
 
-from batches_app import assembly, validation
+from batches_app import assembly, events, validation
 from batches_app.models import Batch, BatchRow, FencedOut
 from inference_app.engine import packing, services
 from inference_app.errors import ApiError, internal_error
@@ -72,6 +72,7 @@ class BatchRunner:
         self.chunks = 0
         self.last_backlog = None
         self.lengths = {}  # row id -> token length, for length-aware packing
+        self.throttle = events.Throttle()
 
     # --- entry points the Worker calls ---
 
@@ -104,6 +105,7 @@ class BatchRunner:
                 assembly.assemble(batch)
             else:
                 self._release(batch)
+            events.publish(batch)
         except FencedOut:
             log.warning("batch %s was taken over during validation", batch.pk)
         except Exception:
@@ -180,6 +182,7 @@ class BatchRunner:
             rows = await sync_to_async(self._next_chunk)(batch)
             if not rows:
                 if await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING):
+                    await events.apublish(batch)
                     await self._assemble(batch)
                     return "ended"
                 continue  # cancelled meanwhile: the next check sees it
@@ -203,10 +206,12 @@ class BatchRunner:
             return "assemble"
         runtime = self.worker.runtime
         if runtime is None or runtime.model_id != batch.model:
-            batch.set_waiting(Batch.Waiting.MODEL_NOT_RESIDENT)
+            if batch.set_waiting(Batch.Waiting.MODEL_NOT_RESIDENT):
+                events.publish(batch)
             return "release"
         if not self._hold_lease(batch):
-            batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE)
+            if batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE):
+                events.publish(batch)
             return "wait"
         return "run"
 
@@ -289,7 +294,7 @@ class BatchRunner:
             await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
         self.chunks += 1
         await sync_to_async(batch.record_chunk)(results, self.chunks)
-        self.on_progress(batch)
+        await self.on_progress(batch)
 
     def _probes_of(self, rows):
         specs = {}
@@ -302,7 +307,7 @@ class BatchRunner:
 
     async def _assemble(self, batch):
         await asyncio.to_thread(self._assemble_in_thread, batch)
-        self.on_progress(batch)
+        await self.on_progress(batch)
 
     def _assemble_in_thread(self, batch):
         try:
@@ -311,8 +316,10 @@ class BatchRunner:
         finally:
             connection.close()
 
-    def on_progress(self, batch):
-        """The seam for progress events (the events issue sends batch:progress here)."""
+    async def on_progress(self, batch):
+        """`batch:progress` after a recorded chunk (throttled) or an end (always)."""
+        if self.throttle.due(batch):
+            await events.apublish(batch)
 
     def _sweep(self):
         """Between chunks and while idle: dead claims released, queued batches say why they

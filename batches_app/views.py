@@ -4,6 +4,7 @@ from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from batches_app import events
 from batches_app.creation import create_batch
 from batches_app.models import Batch
 from inference_app.errors import ApiError
@@ -23,12 +24,14 @@ class BatchViewSet(viewsets.ViewSet):
 
     def create(self, request):
         batch = create_batch(request.data, request.headers.get(LEASE_HEADER), request.headers.get("Idempotency-Key"))
+        events.publish(batch)
         wake_engines()
         return Response(batch.to_openai())
 
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         batch = _batch(pk).request_cancel()
+        events.publish(batch)
         wake_engines()
         return Response(batch.to_openai())
 

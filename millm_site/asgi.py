@@ -1,7 +1,8 @@
 """ASGI entry point: `uvicorn millm_site.asgi:application` (web) or `manage.py runserver`.
 
-HTTP goes to Django behind a guard that refuses a declared oversize body before reading it.
-WebSocket and Socket.IO routes join this router in the progress-events issue.
+HTTP goes to Django behind a guard that refuses an oversize body before reading it;
+/socket.io/ (HTTP polling and WebSocket) goes to python-socketio; WebSockets at /ws/batches/ go
+to the batch progress consumer.
 """
 
 import os
@@ -12,8 +13,29 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_application = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from batches_app.routing import websocket_urlpatterns  # noqa: E402
 from millm_site.middleware import BodyLimitASGI  # noqa: E402
+from millm_site.socketio_app import application as socketio_application  # noqa: E402
 
-application = ProtocolTypeRouter({"http": BodyLimitASGI(django_application)})
+
+class SocketIORouter:
+    """/socket.io/... to python-socketio, everything else to `other`."""
+
+    def __init__(self, other):
+        self.other = other
+
+    async def __call__(self, scope, receive, send):
+        if scope["path"].startswith("/socket.io"):
+            await socketio_application(scope, receive, send)
+        else:
+            await self.other(scope, receive, send)
+
+
+application = ProtocolTypeRouter(
+    {
+        "http": SocketIORouter(BodyLimitASGI(django_application)),
+        "websocket": SocketIORouter(URLRouter(websocket_urlpatterns)),
+    }
+)

@@ -22,7 +22,7 @@ PAUSE = 0.4
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, test_model_dir):
     stack = Stack(tmp_path_factory.mktemp("slow"), test_model_dir, BATCH_WAIT_POLL_S=0.2,
-                  BATCH_TEST_PAUSE_BEFORE_RECORD_S=PAUSE)
+                  BATCH_TEST_PAUSE_BEFORE_RECORD_S=PAUSE, BATCH_PROGRESS_MIN_INTERVAL_S=0)
     stack.create_database()
     try:
         stack.engine = stack.start_engine()
@@ -253,3 +253,112 @@ def test_a_50000_line_batch_validates_in_bounded_engine_memory(slow):
     growth = peak[0] - baseline
     print(f"engine RSS {baseline:.0f} MB, +{growth:.1f} MB while validating 50,000 lines")
     assert growth < 64
+
+
+def test_websocket_clients_see_every_stage_in_order_and_late_joiners_the_current_state(slow):
+    import asyncio
+    import json as jsonlib
+
+    import websockets
+
+    ws_url = slow.web.url.replace("http://", "ws://")
+
+    async def scenario():
+        async with websockets.connect(ws_url + "/ws/batches/") as every:
+            batch = await asyncio.to_thread(start_batch, slow.client, scoring_lines(24, "ws"), COMPLETIONS)
+            seen, late = [], None
+            while True:
+                event = jsonlib.loads(await asyncio.wait_for(every.recv(), 60))
+                if event["data"]["id"] != batch.id:
+                    continue
+                assert event["event"] == "batch:progress"
+                seen.append(event["data"])
+                if late is None and event["data"]["request_counts"]["completed"] >= 8:
+                    late = await websockets.connect(ws_url + f"/ws/batches/{batch.id}/")
+                    first = jsonlib.loads(await asyncio.wait_for(late.recv(), 10))
+                    assert first["data"]["id"] == batch.id and first["data"]["status"] == "in_progress"
+                    assert first["data"]["request_counts"]["completed"] >= 8  # the current state first
+                if event["data"]["status"] in ("completed", "failed", "cancelled", "expired"):
+                    break
+            await late.close()
+            return seen
+
+    seen = asyncio.run(scenario())
+    statuses = [state["status"] for state in seen]
+    assert statuses[0] == "validating" and statuses[-1] == "completed"
+    order = ["validating", "in_progress", "finalizing", "completed"]
+    assert [status for status in order if status in statuses] == order
+    assert statuses == sorted(statuses, key=order.index)  # never backwards
+    progress = [state["request_counts"]["completed"] for state in seen if state["status"] == "in_progress"]
+    assert len(progress) >= 3 and progress == sorted(progress)  # chunk progress, one event per chunk
+    assert seen[-1]["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
+
+
+def test_socketio_clients_see_every_stage_and_may_follow_one_batch(slow):
+    import asyncio
+
+    import socketio
+
+    async def scenario():
+        everything, followed = [], []
+        watcher, follower = socketio.AsyncClient(), socketio.AsyncClient()
+        done = asyncio.Event()
+
+        @watcher.on("batch:progress")
+        async def on_all(data):
+            everything.append(data)  # filtered by id afterwards: the create's event may come first
+            if data["status"] == "completed":
+                done.set()
+
+        @follower.on("batch:progress")
+        async def on_one(data):
+            followed.append(data)
+
+        await watcher.connect(slow.web.url, transports=["websocket"])
+        batch = await asyncio.to_thread(start_batch, slow.client, scoring_lines(24, "sio"), COMPLETIONS)
+        while not any(state["id"] == batch.id and state["request_counts"]["completed"] >= 8 for state in everything):
+            await asyncio.sleep(0.05)
+        await follower.connect(slow.web.url, transports=["polling"])
+        assert (await follower.call("join", batch.id, timeout=10))["ok"] is True
+        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.sleep(0.3)
+        await watcher.disconnect()
+        await follower.disconnect()
+        return [state for state in everything if state["id"] == batch.id], followed
+
+    everything, followed = asyncio.run(scenario())
+    statuses = [state["status"] for state in everything]
+    assert statuses[0] == "validating" and statuses[-1] == "completed"
+    assert [s for s in ["validating", "in_progress", "finalizing", "completed"] if s in statuses] == [
+        "validating", "in_progress", "finalizing", "completed"]
+    assert followed[0]["status"] == "in_progress" and followed[0]["request_counts"]["completed"] >= 8  # state first
+    assert followed[-1]["status"] == "completed" and {state["id"] for state in followed} == {everything[0]["id"]}
+
+
+def test_with_keys_set_websocket_and_socketio_refuse_a_client_without_one(slow):
+    import asyncio
+
+    import socketio
+    import websockets
+
+    web = slow.start_web(MILLM_API_KEYS="sekrit")
+    ws_url = web.url.replace("http://", "ws://")
+
+    async def scenario():
+        with pytest.raises(websockets.exceptions.WebSocketException):
+            async with websockets.connect(ws_url + "/ws/batches/") as refused:
+                await asyncio.wait_for(refused.recv(), 5)
+        async with websockets.connect(ws_url + "/ws/batches/?token=sekrit") as allowed:
+            assert allowed.protocol.state.name == "OPEN"
+        client = socketio.AsyncClient()
+        with pytest.raises(socketio.exceptions.ConnectionError):
+            await client.connect(web.url, transports=["websocket"])
+        keyed = socketio.AsyncClient()
+        await keyed.connect(web.url, transports=["websocket"], auth={"token": "sekrit"})
+        assert keyed.connected
+        await keyed.disconnect()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        web.stop()

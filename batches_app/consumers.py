@@ -1,0 +1,51 @@
+"""WebSocket at /ws/batches/ (every batch) and /ws/batches/<id>/ (one): the current state on
+connect, then each `batch:progress` event, as JSON {event, data}."""
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+
+from batches_app import events
+from batches_app.models import Batch
+from millm_site.middleware import key_is_valid
+
+
+class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self):
+        if not self._authorised():
+            await self.close(code=4401)
+            return
+        self.batch_id = self.scope["url_route"]["kwargs"].get("batch_id")
+        self.group = events.batch_group(self.batch_id) if self.batch_id else events.ALL_BATCHES
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        # Joined first, then the snapshot: an event sent in between arrives after it, never lost.
+        for state in await self._snapshot():
+            await self.send_json({"event": events.EVENT, "data": state})
+
+    async def disconnect(self, code):
+        if getattr(self, "group", None):
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def batch_progress(self, message):
+        await self.send_json({"event": message["event"], "data": message["data"]})
+
+    @database_sync_to_async
+    def _snapshot(self):
+        if self.batch_id:
+            batch = Batch.objects.filter(pk=self.batch_id).first()
+            return [events.progress(batch)] if batch else []
+        return [events.progress(batch) for batch in Batch.objects.unfinished().order_by("created_at")[:100]]
+
+    def _authorised(self):
+        keys = settings.MILLM_API_KEYS
+        if not keys:
+            return True
+        headers = dict(self.scope.get("headers") or [])
+        header = headers.get(b"authorization", b"").decode("latin-1")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not token:
+            from urllib.parse import parse_qs
+
+            token = (parse_qs(self.scope.get("query_string", b"").decode()).get("token") or [""])[0]
+        return bool(token) and key_is_valid(token, keys)
