@@ -27,7 +27,7 @@ class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
         if getattr(self, "group", None):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
-    async def batch_progress(self, message):
+    async def relay_event(self, message):
         await self.send_json({"event": message["event"], "data": message["data"]})
 
     @database_sync_to_async

@@ -8,10 +8,10 @@ The WebSocket consumer relays them; Socket.IO clients get them through the same 
 import logging
 import time
 
-import socketio
 from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
+
+from inference_app import events as inference_events
 
 log = logging.getLogger("millm.batches")
 
@@ -33,35 +33,13 @@ def progress(batch):
 
 
 def publish(batch):
-    """Send `batch:progress` for `batch` as it is now. Best effort: the row stays the truth."""
+    """Send `batch:progress` for `batch` as it is now."""
     async_to_sync(apublish)(batch)
 
 
 async def apublish(batch):
-    data = progress(batch)
-    message = {"type": "batch.progress", "event": EVENT, "data": data}
-    layer = get_channel_layer()
-    try:
-        await layer.group_send(ALL_BATCHES, message)
-        await layer.group_send(batch_group(batch.id), message)
-        await _socketio().emit(EVENT, data, room=["batches", f"batch:{batch.id}"])
-    except Exception:
-        log.warning("could not send %s for %s", EVENT, batch.id, exc_info=True)
-
-
-_managers = {}
-
-
-def _socketio():
-    """A write-only Socket.IO manager on the web processes' Redis channel (one per loop)."""
-    import asyncio
-
-    from millm_site.socketio_app import redis_channel
-
-    loop = asyncio.get_running_loop()
-    if loop not in _managers:
-        _managers[loop] = socketio.AsyncRedisManager(settings.REDIS_URL, channel=redis_channel(), write_only=True)
-    return _managers[loop]
+    rooms = ["batches", f"batch:{batch.id}"]
+    await inference_events.apublish(EVENT, progress(batch), [ALL_BATCHES, batch_group(batch.id)], rooms)
 
 
 class Throttle:

@@ -31,6 +31,7 @@ log = logging.getLogger("millm.batches")
 
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PACKABLE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+PROGRESS_LOG_S = 5.0
 
 
 def reconcile_batches(engine_id, model_id):
@@ -73,6 +74,7 @@ class BatchRunner:
         self.last_backlog = None
         self.lengths = {}  # row id -> token length, for length-aware packing
         self.throttle = events.Throttle()
+        self.progress_log = {}  # batch id -> (started, rows done then, last logged)
 
     # --- entry points the Worker calls ---
 
@@ -317,9 +319,26 @@ class BatchRunner:
             connection.close()
 
     async def on_progress(self, batch):
-        """`batch:progress` after a recorded chunk (throttled) or an end (always)."""
+        """`batch:progress` after a recorded chunk (throttled) or an end (always), and for
+        operators a log line per running batch at most every PROGRESS_LOG_S."""
         if self.throttle.due(batch):
             await events.apublish(batch)
+        self._log_progress(batch)
+
+    def _log_progress(self, batch):
+        done = batch.completed + batch.failed
+        now = time.monotonic()
+        started, done_then, logged = self.progress_log.setdefault(batch.pk, (now, done, 0.0))
+        if batch.status != Batch.Status.IN_PROGRESS:
+            self.progress_log.pop(batch.pk, None)
+            return
+        if now - logged < PROGRESS_LOG_S:
+            return
+        rate = (done - done_then) / max(now - started, 1e-9)
+        left = batch.total - done
+        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+        log.info("batch %s: %d/%d rows, %.1f rows/s, ETA %s", batch.pk, done, batch.total, rate, eta)
+        self.progress_log[batch.pk] = (started, done_then, now)
 
     def _sweep(self):
         """Between chunks and while idle: dead claims released, queued batches say why they

@@ -134,8 +134,11 @@ def _validate_lines(batch, resident_model_id):
     checker = LineChecker(batch.endpoint)
     pending, models, errors = [], Counter(), []
     total = invalid = 0
+    log.info("validating %s: streaming %s (%d lines)", batch.pk, batch.input_file_id, batch.input_file.line_count)
     for number, raw in enumerate(read_lines(batch.input_file.storage_name), start=1):
         total = number
+        if number % 10_000 == 0:
+            log.info("validating %s: %d lines read, %d invalid so far", batch.pk, number, invalid)
         try:
             custom_id, body, model = checker.check(raw, number)
             pending.append(BatchRow(batch=batch, line=number, custom_id=custom_id, body=body))

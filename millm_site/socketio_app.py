@@ -10,18 +10,16 @@ import socketio
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from inference_app.events import socketio_channel
 from millm_site.middleware import key_is_valid
 
 ALL_ROOM = "batches"
-
-
-def redis_channel():
-    return f"{settings.CHANNEL_PREFIX}-socketio"
+MODELS_ROOM = "models"  # model:load:progress, model:load:complete, model:load:error, model:unload:complete
 
 
 sio = socketio.AsyncServer(
     async_mode="asgi",
-    client_manager=socketio.AsyncRedisManager(settings.REDIS_URL, channel=redis_channel()),
+    client_manager=socketio.AsyncRedisManager(settings.REDIS_URL, channel=socketio_channel()),
     cors_allowed_origins="*",
 )
 
@@ -38,6 +36,7 @@ async def connect(sid, environ, auth):
         if not token or not key_is_valid(token, keys):
             raise socketio.exceptions.ConnectionRefusedError("a bearer key from MILLM_API_KEYS is needed")
     await sio.enter_room(sid, ALL_ROOM)
+    await sio.enter_room(sid, MODELS_ROOM)
 
 
 @sio.event

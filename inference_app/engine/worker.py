@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from inference_app import events
 from inference_app.catalogue import ModelSource, model_not_found, model_not_loaded, model_not_resident
 from inference_app.engine import services
 from inference_app.engine.admission import AdmissionSlot, QueueFull
@@ -276,15 +277,31 @@ class Worker:
             if current == model_id:
                 return
             self.loading_model_id = model_id
+            if model_id:
+                await self._model_event("model:load:progress", model_id, stage="waiting for the slot")
             await self.slot.acquire(interactive=True, limited=False)
             started = time.monotonic()
             try:
+                if model_id:
+                    await self._model_event("model:load:progress", model_id, stage="loading weights")
                 await asyncio.get_running_loop().run_in_executor(self.executor, self._swap_in_thread, model_id)
+            except Exception as error:
+                await self._model_event("model:load:error", model_id, error=str(error)[:500])
+                raise
             finally:
                 self.slot.release(True, None)
                 self.loading_model_id = None
+            seconds = round(time.monotonic() - started, 2)
+            if current:
+                await self._model_event("model:unload:complete", current)
+            if model_id:
+                await self._model_event("model:load:complete", model_id, seconds=seconds)
             log.info("engine %s: %s in %.1f s", self.engine_id,
-                     f"loaded {model_id}" if model_id else f"unloaded {current}", time.monotonic() - started)
+                     f"loaded {model_id}" if model_id else f"unloaded {current}", seconds)
+
+    async def _model_event(self, event, model_id, **fields):
+        data = {"model_id": model_id, "engine": self.engine_id, **fields}
+        await events.apublish(event, data, [events.MODELS_GROUP], rooms=["models"])
 
     def _swap_in_thread(self, model_id):
         try:

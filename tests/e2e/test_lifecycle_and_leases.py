@@ -190,3 +190,30 @@ def test_an_engine_restart_ends_every_lease(home):
     assert api(home, "GET", f"/api/models/{MODEL_ID}/lease").json()["data"] is None
     renewed = api(home, "POST", f"/api/models/{MODEL_ID}/lease/renew", lease=lease_id)
     assert renewed.status_code == 404 and renewed.json()["error"]["code"] == "LEASE_NOT_FOUND"
+
+
+def test_load_and_unload_send_model_events_to_socketio_clients(home):
+    import asyncio
+
+    import socketio
+
+    async def scenario():
+        seen = []
+        client = socketio.AsyncClient()
+        for name in ("model:load:progress", "model:load:complete", "model:load:error", "model:unload:complete"):
+            client.on(name, lambda data, name=name: seen.append((name, data)))
+        await client.connect(home.web.url, transports=["websocket"])
+        assert (await asyncio.to_thread(api, home, "POST", f"/api/models/{OTHER}/load")).status_code == 202
+        for _ in range(300):
+            if any(name == "model:load:complete" for name, _ in seen):
+                break
+            await asyncio.sleep(0.1)
+        await client.disconnect()
+        return seen
+
+    seen = asyncio.run(scenario())
+    names = [name for name, _ in seen]
+    assert names.index("model:load:progress") < names.index("model:unload:complete") < names.index("model:load:complete")
+    unloaded = next(data for name, data in seen if name == "model:unload:complete")
+    loaded = next(data for name, data in seen if name == "model:load:complete")
+    assert unloaded["model_id"] == MODEL_ID and loaded["model_id"] == OTHER and loaded["seconds"] >= 0
