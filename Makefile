@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: install db run web engine test
+.PHONY: install db run web engine test chromium
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -32,5 +32,10 @@ web: db
 engine: db
 	$(PY) manage.py runbatchworker
 
-test: install
+test: install chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The admin's browser test drives Debian's chromium; a browser download is not possible here.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "chromium could not be installed: the admin browser test will be skipped"

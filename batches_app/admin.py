@@ -1,22 +1,13 @@
 from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.shortcuts import get_object_or_404, redirect
+from django.urls import path
 from django.utils.html import format_html
 
-from batches_app.models import Batch, BatchRow
+from batches_app import events
+from batches_app.models import Batch
 from inference_app.errors import ApiError
-
-
-class BatchRowInline(admin.TabularInline):
-    model = BatchRow
-    fields = ["line", "custom_id", "outcome", "packed", "request_id", "recorded_at"]
-    readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = False
-    ordering = ["line"]
-    max_num = 0
-
-    def has_add_permission(self, request, obj=None):
-        return False
+from inference_app.gateway import wake_engines
 
 
 @admin.register(Batch)
@@ -26,8 +17,37 @@ class BatchAdmin(admin.ModelAdmin):
     list_filter = ["status", "endpoint", "model", "waiting_reason"]
     search_fields = ["id", "metadata"]
     readonly_fields = [field.name for field in Batch._meta.fields]
-    inlines = [BatchRowInline]
     actions = ["cancel"]
+    change_form_template = "admin/batches_app/batch/change_form.html"
+    rows_per_page = 50
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        batch = self.get_object(request, object_id)
+        extra_context = extra_context or {}
+        if batch is not None:
+            rows = Paginator(batch.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id"), self.rows_per_page)
+            extra_context.update(
+                rows=rows.get_page(request.GET.get("rows_page")),
+                done=batch.completed + batch.failed,
+                cancellable=batch.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
+            )
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def get_urls(self):
+        cancel = path("<path:object_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="batches_app_batch_cancel")
+        return [cancel, *super().get_urls()]
+
+    def cancel_view(self, request, object_id):
+        batch = get_object_or_404(Batch, pk=object_id)
+        if request.method == "POST":
+            try:
+                batch.request_cancel()  # the very method POST /v1/batches/{id}/cancel calls
+                events.publish(batch)
+                wake_engines()
+                self.message_user(request, f"Cancelling {batch.id}.")
+            except ApiError as error:
+                self.message_user(request, error.message, messages.WARNING)
+        return redirect("admin:batches_app_batch_change", batch.pk)
 
     @admin.display(description="progress")
     def progress(self, batch):
@@ -42,8 +62,10 @@ class BatchAdmin(admin.ModelAdmin):
         for batch in queryset:
             try:
                 batch.request_cancel()  # the very method POST /v1/batches/{id}/cancel calls
+                events.publish(batch)
             except ApiError as error:
                 self.message_user(request, error.message, messages.WARNING)
+        wake_engines()
 
     def has_add_permission(self, request):
         return False

@@ -14,6 +14,7 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 django_application = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from batches_app.routing import websocket_urlpatterns  # noqa: E402
 from millm_site.middleware import BodyLimitASGI  # noqa: E402
@@ -35,7 +36,8 @@ class SocketIORouter:
 
 application = ProtocolTypeRouter(
     {
-        "http": SocketIORouter(BodyLimitASGI(django_application)),
+        # The admin's own CSS and scripts are served here too: one process to run, no build step.
+        "http": SocketIORouter(BodyLimitASGI(ASGIStaticFilesHandler(django_application))),
         "websocket": SocketIORouter(URLRouter(websocket_urlpatterns)),
     }
 )

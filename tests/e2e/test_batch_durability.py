@@ -3,6 +3,7 @@ priority, validation memory. An engine of their own pauses between a chunk's for
 its record (BATCH_TEST_PAUSE_BEFORE_RECORD_S), so tests can act mid-chunk."""
 
 import signal
+from pathlib import Path
 import threading
 import time
 from collections import Counter
@@ -362,3 +363,47 @@ def test_with_keys_set_websocket_and_socketio_refuse_a_client_without_one(slow):
         asyncio.run(scenario())
     finally:
         web.stop()
+
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "var" / "test-artifacts"
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make test installs it)")
+def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
+    import os
+    import subprocess
+    import sys
+
+    from playwright.sync_api import sync_playwright
+
+    env = {**slow.env, "DJANGO_SUPERUSER_PASSWORD": "operator-pass-42"}
+    subprocess.run([sys.executable, "manage.py", "createsuperuser", "--noinput", "--username", "operator",
+                    "--email", "op@example.com"], cwd=Path(__file__).resolve().parents[2], env=env, check=False,
+                   capture_output=True)
+    batch = start_batch(slow.client, scoring_lines(400, "admin"), COMPLETIONS)  # long enough to cancel mid-run
+    wait_for(slow.client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        page = browser.new_page()
+        page.goto(f"{slow.web.url}/admin/login/?next=/admin/batches_app/batch/{batch.id}/change/")
+        page.fill("#id_username", "operator")
+        page.fill("#id_password", "operator-pass-42")
+        page.click("input[type=submit]")
+        page.wait_for_selector("#progress-bar")
+        start = page.eval_on_selector("#progress-bar", "bar => bar.value")
+        page.screenshot(path=str(ARTIFACTS / "admin-batch-running.png"), full_page=True)
+        # No reload: the page's WebSocket moves the bar.
+        page.wait_for_function(f"document.getElementById('progress-bar').value > {start}", timeout=30_000)
+        page.click("#cancel-batch")
+        page.wait_for_load_state()
+        page.wait_for_function("document.getElementById('progress-status').textContent === 'cancelled'", timeout=60_000)
+        page.screenshot(path=str(ARTIFACTS / "admin-batch-cancelled.png"), full_page=True)
+        browser.close()
+    assert slow.client.batches.retrieve(batch.id).status == "cancelled"
+    assert (ARTIFACTS / "admin-batch-cancelled.png").stat().st_size > 0
