@@ -10,6 +10,7 @@ from django.utils import timezone
 from files_app.models import File
 from inference_app.errors import ApiError
 from inference_app.models import Lease, new_id
+from millm_site.pagination import cursor_page
 
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score"]
 
@@ -22,22 +23,8 @@ class BatchQuerySet(models.QuerySet):
     def unfinished(self):
         return self.filter(status__in=Batch.UNFINISHED)
 
-    def active(self):
-        return self.filter(status__in=[Batch.Status.IN_PROGRESS, Batch.Status.FINALIZING, Batch.Status.CANCELLING])
-
-    def unclaimed(self):
-        return self.filter(claimed_by__isnull=True)
-
     def page(self, after=None, limit=20):
-        queryset = self.order_by("-created_at", "-id")
-        if after:
-            anchor = self.model.objects.filter(pk=after).values("created_at", "id").first()
-            if anchor is not None:
-                queryset = queryset.filter(
-                    Q(created_at__lt=anchor["created_at"]) | Q(created_at=anchor["created_at"], id__lt=anchor["id"])
-                )
-        items = list(queryset[: limit + 1])
-        return items[:limit], len(items) > limit
+        return cursor_page(self, after, limit)
 
 
 class Batch(models.Model):

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from inference_app.errors import ApiError
 from inference_app.models import new_id
+from millm_site.pagination import cursor_page
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +29,7 @@ class FileQuerySet(models.QuerySet):
         return self.filter(status=File.Status.PROCESSED, expires_at__lte=now)
 
     def page(self, after=None, limit=20, order="desc"):
-        """One page of a (created_at, id) cursor list; returns (items, has_more)."""
-        ordering = ["-created_at", "-id"] if order == "desc" else ["created_at", "id"]
-        queryset = self.order_by(*ordering)
-        if after is not None:
-            anchor = self.model.objects.filter(pk=after).values("created_at", "id").first()
-            if anchor is not None:
-                if order == "desc":
-                    queryset = queryset.filter(
-                        models.Q(created_at__lt=anchor["created_at"])
-                        | models.Q(created_at=anchor["created_at"], id__lt=anchor["id"])
-                    )
-                else:
-                    queryset = queryset.filter(
-                        models.Q(created_at__gt=anchor["created_at"])
-                        | models.Q(created_at=anchor["created_at"], id__gt=anchor["id"])
-                    )
-        items = list(queryset[: limit + 1])
-        return items[:limit], len(items) > limit
+        return cursor_page(self, after, limit, order)
 
 
 class File(models.Model):

@@ -1,6 +1,25 @@
 """OpenAI's list shape and query parameters, shared by the Files and Batch APIs."""
 
+from django.db.models import Q
+
 from inference_app.errors import ApiError
+
+
+def cursor_page(queryset, after=None, limit=20, order="desc"):
+    """One page of a list ordered by (created_at, id), after the object `after` names;
+    returns (items, has_more)."""
+    descending = order == "desc"
+    queryset = queryset.order_by(*(["-created_at", "-id"] if descending else ["created_at", "id"]))
+    if after:
+        anchor = queryset.model.objects.filter(pk=after).values("created_at", "id").first()
+        if anchor is not None:
+            older = "lt" if descending else "gt"
+            queryset = queryset.filter(
+                Q(**{f"created_at__{older}": anchor["created_at"]})
+                | Q(created_at=anchor["created_at"], **{f"id__{older}": anchor["id"]})
+            )
+    items = list(queryset[: limit + 1])
+    return items[:limit], len(items) > limit
 
 
 def list_page(data, has_more):

@@ -12,15 +12,8 @@ def stack(tmp_path_factory, test_model_dir):
 
     MAX_PENDING_REQUESTS is small so that the queue test can fill it with a few requests.
     """
-    stack = Stack(tmp_path_factory.mktemp("e2e"), test_model_dir, MAX_PENDING_REQUESTS=3, BATCH_WAIT_POLL_S=0.2)
-    stack.create_database()
-    try:
-        stack.engine = stack.start_engine()
-        stack.web = stack.start_web()
-        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+    with Stack.running(tmp_path_factory.mktemp("e2e"), test_model_dir, MAX_PENDING_REQUESTS=3, BATCH_WAIT_POLL_S=0.2) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Real processes for end-to-end tests: uvicorn (web) and runbatchworker (engine) against
 PostgreSQL and Redis, in a database of their own so that nothing else disturbs them."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -87,6 +88,20 @@ class Stack:
         subprocess.run(
             [PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=self.env, check=True
         )
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, work_dir, model_dir, **settings):
+        """A database, one engine and one web process, up with the model resident; all gone after."""
+        stack = cls(work_dir, model_dir, **settings)
+        stack.create_database()
+        try:
+            stack.engine = stack.start_engine()
+            stack.web = stack.start_web()
+            stack.wait_for_model(stack.web, stack.model_dir.name, engine=stack.engine)
+            yield stack
+        finally:
+            stack.close()
 
     def sql(self, query, params=()):
         """Read the stack's database directly, as an operator would."""

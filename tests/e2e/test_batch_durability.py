@@ -22,17 +22,10 @@ PAUSE = 0.4
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory, test_model_dir):
-    stack = Stack(tmp_path_factory.mktemp("slow"), test_model_dir, BATCH_WAIT_POLL_S=0.2,
-                  BATCH_TEST_PAUSE_BEFORE_RECORD_S=PAUSE, BATCH_PROGRESS_MIN_INTERVAL_S=0)
-    stack.create_database()
-    try:
-        stack.engine = stack.start_engine()
-        stack.web = stack.start_web()
-        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+    settings = {"BATCH_WAIT_POLL_S": 0.2, "BATCH_TEST_PAUSE_BEFORE_RECORD_S": PAUSE, "BATCH_PROGRESS_MIN_INTERVAL_S": 0}
+    with Stack.running(tmp_path_factory.mktemp("slow"), test_model_dir, **settings) as stack:
         stack.client = make_client(stack.web.url)
         yield stack
-    finally:
-        stack.close()
 
 
 def scoring_lines(count, prefix="row"):

@@ -16,17 +16,10 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def life(tmp_path_factory, test_model_dir):
-    stack = Stack(tmp_path_factory.mktemp("life"), test_model_dir)
-    stack.create_database()
-    try:
-        stack.engine = stack.start_engine()
-        stack.web = stack.start_web()
-        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+    with Stack.running(tmp_path_factory.mktemp("life"), test_model_dir) as stack:
         registered = httpx.post(stack.web.url + "/api/models", json={"source": str(test_model_dir), "id": OTHER})
         assert registered.status_code == 201, registered.text
         yield stack
-    finally:
-        stack.close()
 
 
 def api(stack, method, path, lease=None, **kwargs):

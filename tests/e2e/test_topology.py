@@ -16,15 +16,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 @pytest.fixture
 def isolated(tmp_path, test_model_dir):
     """A stack of its own: stopping its only engine leaves no engine that could auto-load."""
-    stack = Stack(tmp_path, test_model_dir)
-    stack.create_database()
-    try:
-        stack.engine = stack.start_engine()
-        stack.web = stack.start_web()
-        stack.wait_for_model(stack.web, MODEL_ID, engine=stack.engine)
+    with Stack.running(tmp_path, test_model_dir) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def test_without_a_live_engine_requests_are_503_engine_unavailable(isolated):
