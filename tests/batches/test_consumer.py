@@ -5,9 +5,11 @@ import asyncio
 from datetime import timedelta
 
 import pytest
+from channels.db import database_sync_to_async
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connections
 from django.utils import timezone
 
 from batches_app import events
@@ -23,6 +25,12 @@ def isolated_layer(settings, tmp_path):
         "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(tmp_path)}}}
     settings.CHANNEL_LAYERS = {"default": {**settings.CHANNEL_LAYERS["default"],
                                            "CONFIG": {**settings.CHANNEL_LAYERS["default"]["CONFIG"], "prefix": new_id("t")}}}
+
+
+async def close_consumer_connections():
+    """The consumer's queries ran in asgiref's database thread: close that thread's connection,
+    so the test database can be dropped at the end."""
+    await database_sync_to_async(connections.close_all)()
 
 
 def a_batch():
@@ -49,6 +57,7 @@ def test_the_consumer_sends_the_current_state_then_each_event():
         await events.apublish(batch)
         second = await communicator.receive_json_from(timeout=5)
         await communicator.disconnect()
+        await close_consumer_connections()
         return first, second
 
     first, second = asyncio.run(scenario())
@@ -67,6 +76,7 @@ def test_with_keys_set_the_consumer_refuses_a_client_without_one(settings):
         allowed = WebsocketCommunicator(URLRouter(websocket_urlpatterns), "/ws/batches/?token=k1")
         outcome = (await refused.connect())[0], (await allowed.connect())[0]
         await allowed.disconnect()
+        await close_consumer_connections()
         return outcome
 
     assert asyncio.run(scenario()) == (False, True)
