@@ -29,13 +29,13 @@ class _Spool:
         self.handle.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
         self.lines += 1
 
-    def record(self, expires_after_seconds):
+    def store(self, expires_after_seconds):
+        """The bytes saved; the unsaved File that will own them (saved with the batch's end)."""
         self.handle.flush()
         self.handle.seek(0)
         upload = DjangoFile(self.handle, name=self.name)
         upload.line_count = self.lines
-        file, _ = File.record(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name)
-        return file
+        return File.store_bytes(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name)
 
     def discard(self):
         self.handle.close()
@@ -47,8 +47,9 @@ class _Spool:
 
 def assemble(batch):
     """1. Write every line, in input order, to the output or the error file (on disk).
-    2. Record both files (bytes first, then the record).
-    3. In one transaction, fenced: attach them, stamp the end status, delete the row bodies.
+    2. Save both files' bytes under their final names.
+    3. In one transaction, fenced: record the files, attach them, stamp the end status,
+       delete the row bodies.
     4. Release the batch's own lease.
 
     A batch that failed at validation (it never reached in_progress) writes only its invalid
@@ -70,13 +71,18 @@ def assemble(batch):
             is_output, line = row.output_line(batch.unrun_code or "batch_failed")
             (output if is_output else errors).write(line)
         expires = batch.output_expires_after or settings.BATCH_FILE_RETENTION_DAYS * 86_400
-        output_file = output.record(expires) if reached_progress else None
-        error_file = errors.record(expires) if errors.lines else None
+        output_file = output.store(expires) if reached_progress else None
+        error_file = errors.store(expires) if errors.lines else None
     finally:
         output.discard()
         errors.discard()
     with transaction.atomic():
+        # The records are made with the batch's end, fenced: an engine that lost its claim
+        # leaves only bytes, which the orphan sweep removes; never a listed file no batch owns.
         locked = batch.fenced()
+        for file in (output_file, error_file):
+            if file is not None:
+                file.save(force_insert=True)
         if locked.status == Batch.Status.CANCELLING and end == Batch.Status.FAILED and not reached_progress:
             end = Batch.Status.CANCELLED  # cancelled while validating: the cancel wins
         stamp = {f"{end}_at": timezone.now()}

@@ -58,6 +58,9 @@ def create_batch(body, lease_header=None, idempotency_key=None):
     )
     try:
         with transaction.atomic():
+            # Locked and checked again: a DELETE of this file cannot slip in before we commit.
+            File.objects.select_for_update().filter(pk=input_file.pk).first()
+            _input_file(input_file.pk)
             batch.save(force_insert=True)
             if idempotency_key:
                 IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=batch.pk)

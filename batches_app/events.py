@@ -8,7 +8,6 @@ The WebSocket consumer relays them; Socket.IO clients get them through the same 
 import logging
 import time
 
-from asgiref.sync import async_to_sync
 from django.conf import settings
 
 from inference_app import events as inference_events
@@ -33,13 +32,16 @@ def progress(batch):
 
 
 def publish(batch):
-    """Send `batch:progress` for `batch` as it is now."""
-    async_to_sync(apublish)(batch)
+    """Send `batch:progress` for `batch` as it is now (from synchronous code)."""
+    inference_events.publish(EVENT, progress(batch), [ALL_BATCHES, batch_group(batch.id)], _rooms(batch))
 
 
 async def apublish(batch):
-    rooms = ["batches", f"batch:{batch.id}"]
-    await inference_events.apublish(EVENT, progress(batch), [ALL_BATCHES, batch_group(batch.id)], rooms)
+    await inference_events.apublish(EVENT, progress(batch), [ALL_BATCHES, batch_group(batch.id)], _rooms(batch))
+
+
+def _rooms(batch):
+    return ["batches", f"batch:{batch.id}"]
 
 
 class Throttle:

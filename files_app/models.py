@@ -68,35 +68,42 @@ class File(models.Model):
     def record(cls, upload, purpose, expires_after_seconds, idempotency_key=None, filename=None):
         """Store a completed upload's bytes under their final name, then record it.
 
-        The bytes are saved first (a crash after that leaves an orphan the start-up sweep
-        removes, never a record without bytes); the record and its idempotency key are one
+        The bytes are saved first (a crash after that leaves an orphan the sweep removes,
+        never a record without bytes); the record and its idempotency key are one
         transaction. Returns (file, created).
         """
-        file_id = new_id("file-")
-        stored = file_storage().save(f"files/{file_id}.jsonl", upload)
-        now = timezone.now()
+        file = cls.store_bytes(upload, purpose, expires_after_seconds, filename)
         try:
             with transaction.atomic():
-                file = cls.objects.create(
-                    id=file_id,
-                    purpose=purpose,
-                    filename=filename or upload.name,
-                    bytes=upload.size,
-                    line_count=upload.line_count,
-                    storage_name=stored,
-                    created_at=now,
-                    expires_at=now + timedelta(seconds=expires_after_seconds),
-                )
+                file.save(force_insert=True)
                 if idempotency_key:
-                    IdempotencyKey.objects.create(scope="file", key=idempotency_key, object_id=file_id)
+                    IdempotencyKey.objects.create(scope="file", key=idempotency_key, object_id=file.id)
         except IntegrityError:
             # Another upload with the same Idempotency-Key won the race: answer its file.
-            file_storage().delete(stored)
+            file_storage().delete(file.storage_name)
             existing = IdempotencyKey.lookup("file", idempotency_key)
             if existing is None:
                 raise
             return cls.objects.get(pk=existing), False
         return file, True
+
+    @classmethod
+    def store_bytes(cls, upload, purpose, expires_after_seconds, filename=None):
+        """Step one of recording: the bytes saved under their final name, and the unsaved
+        record that will own them (the caller saves it in its own transaction)."""
+        file_id = new_id("file-")
+        stored = file_storage().save(f"files/{file_id}.jsonl", upload)
+        now = timezone.now()
+        return cls(
+            id=file_id,
+            purpose=purpose,
+            filename=filename or upload.name,
+            bytes=upload.size,
+            line_count=upload.line_count,
+            storage_name=stored,
+            created_at=now,
+            expires_at=now + timedelta(seconds=expires_after_seconds),
+        )
 
     @property
     def is_expired(self):
@@ -155,16 +162,22 @@ class File(models.Model):
         return True
 
     def remove(self):
-        """DELETE /v1/files/{id}: refused while an unfinished batch needs the file."""
-        user = self.unfinished_user()
-        if user is not None:
-            raise ApiError(
-                409,
-                "file_in_use",
-                f"The file '{self.id}' is needed by {user} until it ends; cancel it or wait",
-                param="file_id",
-            )
-        self.delete_bytes(self.Status.DELETED, "deleted_at")
+        """DELETE /v1/files/{id}: refused while an unfinished batch needs the file.
+
+        The file's row is locked while we look, and a batch create locks it too, so a delete
+        and a create on the same file cannot both go through.
+        """
+        with transaction.atomic():
+            File.objects.select_for_update().filter(pk=self.pk).first()
+            user = self.unfinished_user()
+            if user is not None:
+                raise ApiError(
+                    409,
+                    "file_in_use",
+                    f"The file '{self.id}' is needed by {user} until it ends; cancel it or wait",
+                    param="file_id",
+                )
+            self.delete_bytes(self.Status.DELETED, "deleted_at")
 
 
 class IdempotencyKey(models.Model):

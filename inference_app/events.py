@@ -36,12 +36,31 @@ async def apublish(event, data, groups=(), rooms=None):
 
 
 def publish(event, data, groups=(), rooms=None):
-    async_to_sync(apublish)(event, data, groups, rooms)
+    """The same, from synchronous code (web's views, the engine's worker threads)."""
+    message = {"type": "relay.event", "event": event, "data": data}
+    try:
+        layer = get_channel_layer()
+        for group in groups:
+            async_to_sync(layer.group_send)(group, message)
+        _sync_socketio().emit(event, data, room=rooms)
+    except Exception:
+        log.warning("could not send %s", event, exc_info=True)
 
 
 def _socketio():
-    """A write-only manager on the web processes' Redis channel (one per event loop)."""
+    """A write-only manager on the web processes' Redis channel, for the engine's one event
+    loop (a manager's connections belong to the loop that made them)."""
     loop = asyncio.get_running_loop()
     if loop not in _managers:
+        _managers.clear()
         _managers[loop] = socketio.AsyncRedisManager(settings.REDIS_URL, channel=socketio_channel(), write_only=True)
     return _managers[loop]
+
+
+_sync_manager = []
+
+
+def _sync_socketio():
+    if not _sync_manager:
+        _sync_manager.append(socketio.RedisManager(settings.REDIS_URL, channel=socketio_channel(), write_only=True))
+    return _sync_manager[0]
