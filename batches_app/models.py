@@ -45,7 +45,6 @@ class Batch(models.Model):
         WEIGHTS_TORN = "weights_torn"
 
     UNFINISHED = [Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING]
-    FINISHED = [Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED]
 
     id = models.CharField(primary_key=True, max_length=40)
     endpoint = models.CharField(max_length=64)

@@ -281,17 +281,13 @@ class BatchRunner:
         probes = None
         if batch.endpoint == PROBE_SCORE:
             probes = await sync_to_async(self._probes_of)(rows)
-        await worker.slot.acquire(interactive=False)
-        started = time.monotonic()
-        try:
+        async with worker.slot.hold(interactive=False):
             runtime = worker.runtime
             if runtime is None or runtime.model_id != batch.model:
                 return  # a swap took the slot first: the next check makes the batch wait
             results = await asyncio.get_running_loop().run_in_executor(
                 worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack
             )
-        finally:
-            worker.slot.release(False, time.monotonic() - started)
         if settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S:
             await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
         self.chunks += 1

@@ -29,16 +29,6 @@ def load_resident(model=None):
     return ResidentModel(load_model(model_source(model)))
 
 
-def median_seconds(function, repeats):
-    timings = []
-    result = None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        result = function()
-        timings.append(time.perf_counter() - started)
-    return statistics.median(timings), result
-
-
 def interleaved_medians(functions, repeats):
     """Run each function once per round, `repeats` rounds, and return each one's median seconds
     and last result. Interleaving keeps a shared machine's drift out of the ratios."""

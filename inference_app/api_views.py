@@ -12,7 +12,7 @@ from django.views.decorators.http import require_http_methods
 
 from inference_app import gateway
 from inference_app.catalogue import model_not_loaded, model_source
-from inference_app.errors import ApiError, json_response
+from inference_app.errors import ApiError, json_response, require_json
 from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
 from inference_app.models import Engine, Lease, ModelEntry, Probe, new_id
 from inference_app.schemas import (
@@ -42,8 +42,7 @@ def _body(request, schema, code):
     raw = request.body
     if not raw.strip():
         return parse_management(schema, {}, code)
-    if request.content_type != "application/json":
-        raise ApiError(415, "unsupported_media_type", f"Send application/json, got {request.content_type or 'none'!r}")
+    require_json(request)
     return parse_management(schema, decode_json(raw), code)
 
 
@@ -237,8 +236,7 @@ def probe(request, probe_id):
 
 @api_route("POST")
 async def probe_score(request):
-    if request.content_type != "application/json":
-        raise ApiError(415, "unsupported_media_type", f"Send application/json, got {request.content_type or 'none'!r}")
+    require_json(request)
     raw = request.body
     parsed = parse_request(PROBE_SCORE, decode_json(raw), strict=True)
     model_id = await sync_to_async(_model_of_probes)(parsed.request.probe_ids)

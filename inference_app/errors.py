@@ -85,6 +85,17 @@ def error_response(error, management=False, headers=None):
     return response
 
 
+def require_json(request):
+    """415 unless the body is declared application/json."""
+    content_type = request.content_type or ""
+    if content_type != "application/json":
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"Send the body as application/json (Content-Type: application/json), got {content_type or 'none'!r}",
+        )
+
+
 def internal_error():
     return ApiError(500, "server_error", "An internal server error occurred.")
 

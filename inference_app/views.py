@@ -12,23 +12,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from inference_app import gateway, metrics
 from inference_app.catalogue import parse_load_policy, resolve
 from inference_app.leases import LEASE_HEADER
-from inference_app.errors import ApiError, json_response
+from inference_app.errors import ApiError, json_response, require_json
 from inference_app.models import Engine, Lease, ModelEntry
 from inference_app.schemas import decode_json, parse_request, parse_strict_header
 
 
-def _require_json(request):
-    content_type = request.content_type or ""
-    if content_type != "application/json":
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            f"Send the body as application/json (Content-Type: application/json), got {content_type or 'none'!r}",
-        )
-
-
 async def _infer(request, endpoint):
-    _require_json(request)
+    require_json(request)
     raw = request.body
     strict = parse_strict_header(request.headers.get("X-miLLM-Strict"))
     policy = parse_load_policy(request.headers.get("X-miLLM-Load-Policy"))

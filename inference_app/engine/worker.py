@@ -320,7 +320,7 @@ class Worker:
             if not announced:
                 log.info("engine %s is a standby: another engine holds %s", self.engine_id, self.source.model_id)
                 announced = True
-            await self._sleep_unless_stopping(settings.ENGINE_HEARTBEAT_S)
+            await self.nap(settings.ENGINE_HEARTBEAT_S)
         return False
 
     async def _heartbeat_loop(self):
@@ -338,7 +338,7 @@ class Worker:
                 log.info("%s: %s", name, outcome)
             except Exception:
                 log.exception("%s failed; it runs again in %s s", name, interval)
-            await self._sleep_unless_stopping(interval)
+            await self.nap(interval)
 
     async def nap(self, seconds):
         """Sleep up to `seconds`; a wake message (a batch was created, cancelled, handed a
@@ -352,12 +352,6 @@ class Worker:
             self.nappers.discard(woken)
         for waiter in pending:
             waiter.cancel()
-
-    async def _sleep_unless_stopping(self, seconds):
-        try:
-            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
-        except TimeoutError:
-            pass
 
     async def _consume(self):
         layer = get_channel_layer()

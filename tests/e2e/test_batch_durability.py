@@ -364,7 +364,6 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "var" / "test-artifacts"
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make test installs it)")
 def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
-    import os
     import subprocess
     import sys
 

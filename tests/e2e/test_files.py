@@ -1,6 +1,5 @@
 """The Files API through the openai client and raw HTTP, against real uvicorn."""
 
-import io
 import json
 import socket
 
@@ -8,7 +7,6 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import make_client
 
 
 def jsonl(rows):
