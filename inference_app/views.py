@@ -10,10 +10,10 @@ from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from inference_app import gateway, metrics
-from inference_app.catalogue import parse_load_policy, resolve
+from inference_app.catalogue import parse_load_policy, requestable, resolve
 from inference_app.leases import LEASE_HEADER
 from inference_app.errors import ApiError, json_response, require_json
-from inference_app.models import Engine, Lease, ModelEntry
+from inference_app.models import Engine, Lease
 from inference_app.schemas import decode_json, parse_request, parse_strict_header
 
 
@@ -68,7 +68,7 @@ async def embeddings(request):
 
 @require_GET
 def models_list(request):
-    data = [entry.to_openai() for entry in ModelEntry.objects.order_by("-created_at", "-id")]
+    data = [entry.to_openai() for entry in requestable()]
     return json_response({"object": "list", "data": data})
 
 

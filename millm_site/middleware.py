@@ -246,6 +246,9 @@ def _body_limit(path):
         return limit + MULTIPART_ALLOWANCE, lambda measured: file_limit(
             "size", limit, "BATCH_MAX_FILE_BYTES", f"the request body is {measured}"
         )
+    if path.startswith("/api/models/") and path.rstrip("/").endswith("/weights"):
+        limit = settings.MILLM_MAX_WEIGHTS_BYTES
+        return limit, lambda measured: request_too_large(measured, limit, "MILLM_MAX_WEIGHTS_BYTES")
     limit = settings.MILLM_MAX_BODY_BYTES
     return limit, lambda measured: request_too_large(measured, limit)
 

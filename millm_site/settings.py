@@ -108,6 +108,8 @@ MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "
 MILLM_STORAGE = envchoice("MILLM_STORAGE", "filesystem", ["filesystem", "s3"])
 MILLM_API_KEYS = envlist("MILLM_API_KEYS")
 MILLM_MAX_BODY_BYTES = envint("MILLM_MAX_BODY_BYTES", 33_554_432, minimum=1024)
+# A PUT /api/models/{id}/weights body (safetensors): streamed to storage, never held in web's memory.
+MILLM_MAX_WEIGHTS_BYTES = envint("MILLM_MAX_WEIGHTS_BYTES", 4 * 1024**3, minimum=1024)
 MILLM_REQUEST_TIMEOUT_S = envfloat("MILLM_REQUEST_TIMEOUT_S", 600.0, minimum=0.1)
 MILLM_STRICT_DEFAULT = envbool("MILLM_STRICT_DEFAULT", False)
 

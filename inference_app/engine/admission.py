@@ -62,8 +62,8 @@ class AdmissionSlot:
         return round(statistics.median(self._hold_seconds) * (self.waiting + self.holding) / self.slots, 3)
 
     @asynccontextmanager
-    async def hold(self, interactive=True):
-        await self.acquire(interactive)
+    async def hold(self, interactive=True, limited=True):
+        await self.acquire(interactive, limited)
         started = time.monotonic()
         try:
             yield

@@ -35,6 +35,12 @@ class ResidentModel:
             self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization
         )
 
+    def rename(self, model_id, revision):
+        """A save made these weights a checkpoint: the id and fingerprint they answer under change."""
+        self.model_id = model_id
+        self.loaded.revision = revision
+        self.fingerprint = system_fingerprint(model_id, revision, self.dtype_name, self.loaded.source.quantization)
+
     @property
     def dtype_name(self):
         return str(self.dtype).removeprefix("torch.")

@@ -26,12 +26,12 @@ import psycopg
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import IntegrityError, close_old_connections, connection, transaction
 from django.utils import timezone
 
-from inference_app import events
+from inference_app import events, weight_uploads
 from inference_app.catalogue import ModelSource, model_not_found, model_not_loaded, model_not_resident
-from inference_app.engine import services
+from inference_app.engine import services, weights
 from inference_app.engine.admission import AdmissionSlot, QueueFull
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
@@ -67,6 +67,7 @@ class Worker:
         self.slot = AdmissionSlot(settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS)
         self.executor = ThreadPoolExecutor(settings.MAX_CONCURRENT_REQUESTS, thread_name_prefix="model")
         self.runtime = None
+        self.weights_torn = False  # mirrors the resident entry's weights_state (SPEC 5, "Weights")
         self.loading_model_id = None
         self.swap_lock = None
         self.role = Engine.Role.STANDBY
@@ -116,11 +117,14 @@ class Worker:
         self.role = Engine.Role.ACTIVE
         Engine.objects.filter(pk=self.engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
 
-    def load(self, model_id=None):
+    def load(self, model_id=None, startup=False):
         """Make `model_id` (default: the engine's own model) the resident model.
 
         1. Unload the resident model, if any (its leases end).
-        2. Mark the entry loading, load through the production loader, mark it resident.
+        2. Mark the entry loading, load through the production loader (a checkpoint: its base
+           model, then its tensors over it), mark it resident.
+        3. Weights: a load makes them clean, except the start-up load, which keeps a torn state
+           an engine killed mid-edit left (only a load or a late commit ends it).
         """
         entry, source = self._entry_and_source(model_id)
         self.unload_resident("the model was swapped out")
@@ -129,13 +133,22 @@ class Worker:
         close_old_connections()
         try:
             loaded = load_model(source)
+            if entry.kind == ModelEntry.Kind.CHECKPOINT:
+                weights.apply_checkpoint(loaded.model, entry.source)
+                loaded.revision = entry.revision
         except Exception as error:
             ModelEntry.objects.filter(pk=entry.pk).update(state=ModelEntry.State.ERROR, state_detail=str(error)[:2000])
             Engine.objects.filter(pk=self.engine_id).update(loading_model_id=None)
             raise
         close_old_connections()
         self.runtime = ResidentModel(loaded, model_id=entry.pk)
+        torn = startup and entry.weights_state == ModelEntry.Weights.TORN
+        self.weights_torn = torn
+        if torn:
+            log.warning("the weights of %s were left torn (an edit began and never committed): "
+                        "no request or batch row runs until a load or a commit", entry.pk)
         ModelEntry.objects.filter(pk=entry.pk).update(
+            weights_state=ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN,
             state=ModelEntry.State.RESIDENT,
             revision=loaded.revision,
             dtype=self.runtime.dtype_name,
@@ -144,7 +157,8 @@ class Worker:
             num_layers=self.runtime.num_layers,
         )
         Engine.objects.filter(pk=self.engine_id).update(
-            role=Engine.Role.ACTIVE, resident_model_id=entry.pk, loading_model_id=None, heartbeat_at=timezone.now()
+            role=Engine.Role.ACTIVE, resident_model_id=entry.pk, loading_model_id=None, heartbeat_at=timezone.now(),
+            weights_state=ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN,
         )
         self.role = Engine.Role.ACTIVE
         return self.runtime
@@ -161,7 +175,8 @@ class Worker:
             )
             return entry, self.source
         entry = ModelEntry.objects.get(pk=model_id)
-        return entry, ModelSource(Path(entry.source), entry.source_format, entry.pk, entry.quantization)
+        weights_of = entry.root  # a checkpoint loads its base model first
+        return entry, ModelSource(Path(weights_of.source), weights_of.source_format, entry.pk, weights_of.quantization)
 
     def unload_resident(self, reason):
         """Drop the resident model: its leases end and its entry is available again."""
@@ -215,6 +230,7 @@ class Worker:
             "role": self.role,
             "resident_model_id": runtime.model_id if runtime else None,
             "loading_model_id": self.loading_model_id,
+            "weights_state": Engine.Weights.TORN if runtime and self.weights_torn else Engine.Weights.CLEAN,
             "queue_waiting": self.slot.waiting,
             "in_flight": self.slot.holding,
             "estimated_wait_seconds": self.slot.estimated_wait_seconds(),
@@ -253,7 +269,7 @@ class Worker:
                 return
             log.info("engine %s is active for %s; loading", self.engine_id, self.source.model_id)
             await sync_to_async(self.activate)()
-            await self.swap(self.source.model_id)
+            await self.swap(self.source.model_id, startup=True)
             log.info("engine %s serving %s on %s", self.engine_id, self.runtime.model_id, self.channel)
             for companion in self.companions:
                 await sync_to_async(companion.reconcile)()
@@ -270,7 +286,7 @@ class Worker:
             self.executor.shutdown(wait=False, cancel_futures=True)
             log.info("engine %s stopped", self.engine_id)
 
-    async def swap(self, model_id):
+    async def swap(self, model_id, startup=False):
         """Load `model_id` (None: unload) once the slot is free; requests queue behind it."""
         async with self.swap_lock:
             current = self.runtime.model_id if self.runtime else None
@@ -284,7 +300,7 @@ class Worker:
             try:
                 if model_id:
                     await self._model_event("model:load:progress", model_id, stage="loading weights")
-                await asyncio.get_running_loop().run_in_executor(self.executor, self._swap_in_thread, model_id)
+                await asyncio.get_running_loop().run_in_executor(self.executor, self._swap_in_thread, model_id, startup)
             except Exception as error:
                 await self._model_event("model:load:error", model_id, error=str(error)[:500])
                 raise
@@ -303,12 +319,12 @@ class Worker:
         data = {"model_id": model_id, "engine": self.engine_id, **fields}
         await events.apublish(event, data, [events.MODELS_GROUP], rooms=["models"])
 
-    def _swap_in_thread(self, model_id):
+    def _swap_in_thread(self, model_id, startup=False):
         try:
             if model_id is None:
                 self.unload_resident("the model was unloaded")
             else:
-                self.load(model_id)
+                self.load(model_id, startup=startup)
         finally:
             connection.close()  # this thread's connection; the DB thread keeps its own
 
@@ -377,10 +393,11 @@ class Worker:
         elif kind == "cancel":
             self.cancel(message["id"])
         elif kind == "wake":
-            for woken in self.nappers:
-                woken.set()
+            self._wake()
         elif kind in ("load", "unload"):
             asyncio.create_task(self._control(message))
+        elif kind == "weights":
+            asyncio.create_task(self._weights(message))
 
     async def _control(self, message):
         """A load or unload from the management routes: checked, acknowledged, then run."""
@@ -401,6 +418,96 @@ class Worker:
             await self.swap(target)
         except Exception:
             log.exception("%s of %s failed", message["type"], target or current)
+
+    async def _weights(self, message):
+        """A weights begin, write, commit or save: the model must be resident here and another
+        holder's lease refuses it; it runs under the slot (so no forward pass sees half a write)
+        and no swap runs meanwhile; answered when done."""
+        layer = get_channel_layer()
+        op, model_id = message["op"], message["model_id"]
+        try:
+            async with self.swap_lock:
+                current = self.runtime.model_id if self.runtime else None
+                if current != model_id:
+                    raise model_not_resident(model_id, current)
+                await sync_to_async(check_lease_allows)(model_id, message.get("lease"), WEIGHT_ACTIONS[op])
+                async with self.slot.hold(interactive=True, limited=False):
+                    body = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self._weights_in_thread, op, message
+                    )
+        except ApiError as error:
+            await _send(layer, message["reply"], {"type": "error", "error": error.to_wire()})
+            return
+        except Exception:
+            log.exception("weights %s on %s failed", op, model_id)
+            await _send(layer, message["reply"], {"type": "error", "error": internal_error().to_wire()})
+            return
+        await _send(layer, message["reply"], {"type": "result", "body": body, "headers": {}})
+        if op == "save":
+            await self._model_event("model:save:complete", body["model"], renamed_from=model_id)
+        if op in ("commit", "save"):
+            self._wake()
+
+    def _weights_in_thread(self, op, message):
+        try:
+            runtime = self.runtime
+            if op == "begin":
+                self._set_weights_state(runtime.model_id, torn=True)
+                return {"model": runtime.model_id, "weights": ModelEntry.Weights.TORN}
+            if op == "commit":
+                self._set_weights_state(runtime.model_id, torn=False)
+                return {"model": runtime.model_id, "weights": ModelEntry.Weights.CLEAN}
+            if op == "write":
+                if not self.weights_torn:
+                    raise ApiError(
+                        409, "weights_not_begun",
+                        f"Begin the edit first: POST /api/models/{runtime.model_id}/weights/begin, then PUT, then commit",
+                    )
+                tensors = weights.read_tensors(weight_uploads.read(message["upload"]))
+                written = weights.write(runtime.model, tensors)
+                log.info("wrote %d tensor(s) of %s", len(written), runtime.model_id)
+                return {"model": runtime.model_id, "weights": ModelEntry.Weights.TORN, "written": written}
+            if self.weights_torn:
+                raise weights_torn(runtime.model_id)
+            return self._save(runtime)
+        finally:
+            connection.close()  # this thread's connection; the DB thread keeps its own
+
+    def _set_weights_state(self, model_id, torn):
+        state = ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN
+        ModelEntry.objects.filter(pk=model_id).update(weights_state=state)
+        Engine.objects.filter(pk=self.engine_id).update(weights_state=state)
+        self.weights_torn = torn
+        log.info("the weights of %s are %s", model_id, state)
+
+    def _save(self, runtime):
+        """Write the resident weights as a new checkpoint, which the resident model becomes: the
+        id it had stops resolving to them (SPEC 5). Leases on it follow the weights."""
+        previous = ModelEntry.objects.get(pk=runtime.model_id)
+        for attempt in range(3):
+            try:
+                with transaction.atomic():
+                    checkpoint = previous.new_checkpoint(path="", revision=None)
+                    folder = weights.checkpoint_folder(settings.MILLM_DATA_DIR, checkpoint.pk)
+                    path, revision = weights.save(runtime.model, folder)
+                    checkpoint.source, checkpoint.revision, checkpoint.state = str(path), revision, ModelEntry.State.RESIDENT
+                    checkpoint.save(update_fields=["source", "revision", "state"])
+                break
+            except IntegrityError:
+                if attempt == 2:
+                    raise  # another engine saved checkpoints of the same base three times meanwhile
+        runtime.rename(checkpoint.pk, revision)
+        Lease.objects.live().filter(model_id=previous.pk).update(model_id=checkpoint.pk)
+        Engine.objects.filter(pk=self.engine_id).update(resident_model_id=checkpoint.pk)
+        if not Engine.objects.live().exclude(pk=self.engine_id).filter(resident_model_id=previous.pk).exists():
+            ModelEntry.objects.filter(pk=previous.pk).update(state=ModelEntry.State.AVAILABLE)
+        log.info("saved the weights of %s as %s (%s)", previous.pk, checkpoint.pk, path)
+        return {"model": checkpoint.pk, "base": checkpoint.base_id, "renamed_from": previous.pk,
+                "revision": revision, "path": str(path)}
+
+    def _wake(self):
+        for woken in self.nappers:
+            woken.set()
 
     def cancel(self, request_id):
         """The caller left: drop the request if it waits; stop generating if it runs."""
@@ -433,6 +540,8 @@ class Worker:
                 else:
                     wanted = parsed.request.model
                     await self._ensure_model(wanted, message)
+                if self.weights_torn:
+                    raise weights_torn(wanted)
                 remaining = message["deadline"] - time.time()
                 if remaining <= 0:
                     return  # the caller has already been told it timed out
@@ -447,6 +556,8 @@ class Worker:
                 self.slot.release(True, None)  # a swap ran while we waited: check again
             started = time.monotonic()
             try:
+                if self.weights_torn:
+                    raise weights_torn(wanted)
                 flight.running = True
                 await self._run_in_model_thread(message, parsed, flight, reply, probes)
             finally:
@@ -471,6 +582,8 @@ class Worker:
             entry = await sync_to_async(ModelEntry.objects.filter(pk=model_id).first)()
             if entry is None:
                 raise model_not_found(model_id, f"The model '{model_id}' does not exist")
+            if entry.kind == ModelEntry.Kind.CHECKPOINT:
+                raise model_not_found(model_id, f"The checkpoint '{model_id}' is not resident; a request never loads a checkpoint")
             current = self.runtime.model_id if self.runtime else None
             if message.get("load_policy") == "refuse":
                 raise model_not_resident(model_id, current)
@@ -543,6 +656,24 @@ class _InFlight:
         self.task = task
         self.cancelled = threading.Event()
         self.running = False
+
+
+WEIGHT_ACTIONS = {
+    "begin": "editing its weights",
+    "write": "writing its weights",
+    "commit": "committing its weights",
+    "save": "saving its weights",
+}
+
+
+def weights_torn(model_id):
+    return ApiError(
+        409,
+        "weights_torn",
+        f"The resident weights of '{model_id}' are mid-write: an edit began and has not been committed. "
+        f"Retry after POST /api/models/{model_id}/weights/commit (or a load of the model).",
+        param="model",
+    )
 
 
 def torch_cuda_available():
