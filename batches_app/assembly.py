@@ -10,8 +10,8 @@ from django.core.files import File as DjangoFile
 from django.db import transaction
 from django.utils import timezone
 
-from batches_app.models import Batch, BatchRow
-from files_app.models import File
+from batches_app.models import Batch, BatchRow, FencedOut
+from files_app.models import File, file_storage
 from inference_app.models import Lease
 
 log = logging.getLogger("millm.batches")
@@ -38,7 +38,10 @@ class _Spool:
         return File.store_bytes(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name)
 
     def discard(self):
-        self.handle.close()
+        try:
+            self.handle.close()
+        except OSError:
+            pass  # the flush on close failed (a full disk): the file is removed all the same
         try:
             os.unlink(self.handle.name)
         except FileNotFoundError:
@@ -63,8 +66,14 @@ def assemble(batch):
         end = Batch.Status.COMPLETED
     batch.end_status = end
     reached_progress = batch.in_progress_at is not None
-    output, errors = _Spool(f"{batch.id}_output.jsonl"), _Spool(f"{batch.id}_error.jsonl")
+    # A failure anywhere here (a full disk, the database gone) raises: the batch stays
+    # finalizing, its claim is released and assembly runs again; nothing half-written is stored.
+    spools, stored = [], []
     try:
+        output = _Spool(f"{batch.id}_output.jsonl")
+        spools.append(output)
+        errors = _Spool(f"{batch.id}_error.jsonl")
+        spools.append(errors)
         for row in batch.rows.order_by("line").iterator(chunk_size=2000):
             if row.outcome == BatchRow.Outcome.PENDING and not reached_progress:
                 continue
@@ -72,10 +81,38 @@ def assemble(batch):
             (output if is_output else errors).write(line)
         expires = batch.output_expires_after or settings.BATCH_FILE_RETENTION_DAYS * 86_400
         output_file = output.store(expires) if reached_progress else None
+        stored.append(output_file)
         error_file = errors.store(expires) if errors.lines else None
+        stored.append(error_file)
+    except BaseException:
+        _remove_bytes(stored)  # the output's bytes, when the error file's could not be saved
+        raise
     finally:
-        output.discard()
-        errors.discard()
+        for spool in spools:
+            spool.discard()
+    try:
+        end = _record(batch, end, reached_progress, output_file, error_file)
+    except FencedOut:
+        _remove_bytes(stored)  # certainly not recorded: another engine owns the batch now
+        raise
+    if batch.lease_mode == "own" and batch.lease_id:
+        Lease.objects.end_all("the batch ended", pk=batch.lease_id)
+    batch.refresh_from_db()
+    log.info("batch %s %s: %d completed, %d failed", batch.pk, end, batch.completed, batch.failed)
+    return batch
+
+
+def _remove_bytes(files):
+    for file in files:
+        if file is None:
+            continue
+        try:
+            file_storage().delete(file.storage_name)
+        except Exception:
+            log.warning("could not remove the unrecorded bytes %s; the orphan sweep will", file.storage_name, exc_info=True)
+
+
+def _record(batch, end, reached_progress, output_file, error_file):
     with transaction.atomic():
         # The records are made with the batch's end, fenced: an engine that lost its claim
         # leaves only bytes, which the orphan sweep removes; never a listed file no batch owns.
@@ -90,8 +127,4 @@ def assemble(batch):
             status=end, output_file=output_file, error_file=error_file, waiting_reason=None, **stamp
         )
         BatchRow.objects.filter(batch=batch).update(body=None)
-    if batch.lease_mode == "own" and batch.lease_id:
-        Lease.objects.end_all("the batch ended", pk=batch.lease_id)
-    batch.refresh_from_db()
-    log.info("batch %s %s: %d completed, %d failed", batch.pk, end, batch.completed, batch.failed)
-    return batch
+    return end

@@ -1,5 +1,6 @@
 """POST /v1/batches: every create check of SPEC 10, in order, each refusal naming its field."""
 
+import json
 import re
 from datetime import timedelta
 
@@ -74,7 +75,8 @@ def create_batch(body, lease_header=None, idempotency_key=None):
 
 def _input_file(file_id):
     if not isinstance(file_id, str) or not file_id:
-        raise refuse("input_file_id is required: the id of a file uploaded with purpose batch", "input_file_id")
+        got = "" if file_id is None else f", got {json.dumps(file_id)[:80]}"
+        raise refuse(f"input_file_id is required: the id of a file uploaded with purpose batch{got}", "input_file_id")
     file = File.objects.filter(pk=file_id).first()
     if file is None:
         raise refuse(f"No file has the id '{file_id}'", "input_file_id", "file_not_found", 404)

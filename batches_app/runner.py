@@ -75,6 +75,9 @@ class BatchRunner:
         self.lengths = {}  # row id -> token length, for length-aware packing
         self.throttle = events.Throttle()
         self.progress_log = {}  # batch id -> (started, rows done then, last logged)
+        # Claims we could not release (the database was down): released at the next sweep, or
+        # this live engine would hold them forever and the batch would never run again.
+        self.unreleased = {}
 
     # --- entry points the Worker calls ---
 
@@ -95,6 +98,7 @@ class BatchRunner:
                     continue
                 resident = self.worker.runtime.model_id if self.worker.runtime else None
                 await asyncio.to_thread(self._validate_in_thread, batch, resident)
+                self.worker.wake()  # its rows may run now: the run loop need not finish its nap
             except Exception:
                 log.exception("validation failed; retrying")
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
@@ -112,7 +116,7 @@ class BatchRunner:
             log.warning("batch %s was taken over during validation", batch.pk)
         except Exception:
             log.exception("validating %s failed; it will be validated again", batch.pk)
-            self._release(batch)
+            self._release_or_remember(batch)
         finally:
             connection.close()
 
@@ -131,7 +135,7 @@ class BatchRunner:
             except Exception:
                 log.exception("the batch runner failed; the batch is released and retried")
                 if batch is not None:
-                    await sync_to_async(self._release)(batch)
+                    await sync_to_async(self._release_or_remember)(batch)
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _claim(self, validating):
@@ -163,6 +167,21 @@ class BatchRunner:
 
     def _release(self, batch):
         Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(claimed_by=None, claim_token=None)
+
+    def _release_or_remember(self, batch):
+        try:
+            close_old_connections()
+            self._release(batch)
+        except Exception:
+            log.warning("could not release the claim on %s (is the database down?); retrying at the next sweep",
+                        batch.pk, exc_info=True)
+            self.unreleased[batch.pk] = batch
+
+    def _release_remembered(self):
+        for batch_id, batch in list(self.unreleased.items()):
+            self._release(batch)  # raises while the database is still down: the sweep fails, retried
+            self.unreleased.pop(batch_id, None)
+            log.info("released the claim on %s", batch_id)
 
     async def _process(self, batch):
         """Run one claimed batch until it ends or must wait; "waiting" when it must."""
@@ -346,6 +365,7 @@ class BatchRunner:
         """Between chunks and while idle: dead claims released, queued batches say why they
         wait, unclaimed batches past expires_at end expired, the heartbeat row has the backlog."""
         close_old_connections()
+        self._release_remembered()
         release_stale_claims()
         serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
         waiting = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)

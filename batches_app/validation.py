@@ -18,7 +18,7 @@ from files_app.models import file_storage
 from inference_app.catalogue import resolve
 from inference_app.errors import ApiError
 from inference_app.models import Engine, Lease
-from inference_app.schemas import PROBE_SCORE, parse_request
+from inference_app.schemas import PROBE_SCORE, parse_request, unusable_text
 
 log = logging.getLogger("millm.batches")
 
@@ -59,6 +59,11 @@ class LineChecker:
             raise LineError("invalid_json", f"the line is not valid UTF-8 ({error.reason} at byte {error.start})") from None
         except (ValueError, RecursionError) as error:
             raise LineError("invalid_json", f"the line is not valid JSON: {error}") from None
+        unusable = unusable_text(line)
+        if unusable is not None:
+            # PostgreSQL cannot store U+0000, UTF-8 cannot encode a lone surrogate: as the routes refuse them.
+            raise LineError("invalid_json", f"the line is not usable JSON: '{unusable[0] or 'line'}' {unusable[1]}",
+                            unusable[0] or None)
         if not isinstance(line, dict):
             raise LineError("invalid_line", "the line must be a JSON object with custom_id, method, url and body")
         custom_id = line.get("custom_id")
@@ -229,4 +234,5 @@ def _custom_id_of(raw):
     except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     custom_id = line.get("custom_id") if isinstance(line, dict) else None
-    return custom_id if isinstance(custom_id, str) and len(custom_id) <= 512 else None
+    usable = isinstance(custom_id, str) and unusable_text(custom_id) is None
+    return custom_id if usable and len(custom_id) <= 512 else None

@@ -10,9 +10,11 @@ from batches_app.models import Batch
 from inference_app.errors import ApiError
 from inference_app.gateway import wake_engines
 from inference_app.leases import LEASE_HEADER
+from millm_site.openapi import batch_viewset_schema
 from millm_site.pagination import list_page, query_int
 
 
+@batch_viewset_schema
 class BatchViewSet(viewsets.ViewSet):
     def list(self, request):
         limit = query_int(request, "limit", 20, 1, 100)

@@ -1,10 +1,14 @@
 """Shared pieces of the benchmarks: Django set-up, the model, timing, and the report."""
 
+import contextlib
 import json
 import os
 import platform
+import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +31,73 @@ def load_resident(model=None):
     from inference_app.engine.runtime import ResidentModel
 
     return ResidentModel(load_model(model_source(model)))
+
+
+def scoring_texts(resident, count, seed=7, shortest=10, longest=60):
+    """Prompts of `shortest` to `longest` tokens (of the resident's tokenizer), in random order."""
+    generator = random.Random(seed)
+    vocabulary = [word for word in resident.tokenizer.get_vocab() if word.isalpha() and len(word) > 2][:5000]
+
+    def text_of(tokens):
+        words = []
+        while len(resident.encode(" ".join(words))) < tokens:
+            words.append(generator.choice(vocabulary))
+        return " ".join(words)
+
+    return [text_of(generator.randint(shortest, longest)) for _ in range(count)]
+
+
+@contextlib.contextmanager
+def stack(model=None, **settings):
+    """Real web and engine processes (tests/e2e/stack.py) on a database of their own, serving
+    `model` (default: the packaged SmolLM2) under the id the in-process loader gives it. The
+    GGUF conversion cache is shared, so a stack does not convert again."""
+    from django.conf import settings as django_settings
+
+    from inference_app.catalogue import model_source
+    from tests.e2e.stack import Stack
+
+    source = model_source(model)
+    work = Path(tempfile.mkdtemp(prefix="millm-bench-"))
+    cache = django_settings.MILLM_DATA_DIR / "model-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    (work / "data").mkdir()
+    (work / "data" / "model-cache").symlink_to(cache)
+    try:
+        with Stack.running(work, source.path, MILLM_MODEL_ID=source.model_id, **settings) as running:
+            yield running
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def stack_for(model, running=None):
+    """The stack a part runs on: the one the suite shares (`running`), or one of its own."""
+    return contextlib.nullcontext(running) if running is not None else stack(model)
+
+
+def percentile(values, share):
+    """The nearest-rank percentile (share 0.5 is the median, 0.99 the 99th)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(share * len(ordered) + 0.5)) - 1))]
+
+
+def rss_mb(pid, field="VmRSS"):
+    """A process's resident memory (VmRSS) or its peak since the last reset (VmHWM), in MB."""
+    for row in open(f"/proc/{pid}/status"):
+        if row.startswith(field + ":"):
+            return int(row.split()[1]) / 1024
+    raise RuntimeError(f"no {field} for {pid}")
+
+
+def reset_peak(pid):
+    """Linux: writing 5 to clear_refs resets VmHWM, so the next peak is this operation's."""
+    with open(f"/proc/{pid}/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def check(figure, value, goal, met):
+    """One figure beside its goal, for the summary table."""
+    return {"figure": figure, "value": value, "goal": goal, "met": bool(met)}
 
 
 def interleaved_medians(functions, repeats):
@@ -54,8 +125,10 @@ def machine():
     }
 
 
-def report(name, rows, figures):
-    """Print a table and write bench/results/<name>.json."""
+def report(name, rows, figures, checks=()):
+    """Print a table (each goal beside its figure) and write bench/results/<name>.json."""
+    figures = {**figures, "checks": list(checks)}
+    rows = list(rows) + [(c["figure"], f"{c['value']}   goal {c['goal']}: {'met' if c['met'] else 'MISSED'}") for c in checks]
     width = max(len(label) for label, _ in rows)
     print(f"\n{name}")
     for label, value in rows:
@@ -64,3 +137,55 @@ def report(name, rows, figures):
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"name": name, "machine": machine(), "figures": figures}, indent=2))
     print(f"  (written to {path.relative_to(ROOT)})")
+    return figures
+
+
+COMPLETIONS = "/v1/completions"
+FINISHED = {"completed", "failed", "expired", "cancelled"}
+
+
+def scoring_lines(model_id, prompts, logprobs=5):
+    """A batch file's lines: one scoring row (max_tokens 1, logprobs) per prompt."""
+    return [
+        json.dumps({"custom_id": f"row-{index}", "method": "POST", "url": COMPLETIONS,
+                    "body": {"model": model_id, "prompt": prompt, "max_tokens": 1, "logprobs": logprobs}})
+        for index, prompt in enumerate(prompts)
+    ]
+
+
+def start_batch(client, lines, endpoint=COMPLETIONS, **create):
+    """Upload `lines` (JSON strings) and create a batch on them; returns the batch object."""
+    body = ("\n".join(lines) + "\n").encode()
+    uploaded = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("input.jsonl", body)})
+    uploaded.raise_for_status()
+    created = client.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": endpoint,
+                                               "completion_window": "24h", **create})
+    created.raise_for_status()
+    return created.json()
+
+
+def wait_batch(client, batch_id, poll_s=0.05, timeout=3600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.get(f"/v1/batches/{batch_id}").json()
+        if batch["status"] in FINISHED:
+            return batch
+        time.sleep(poll_s)
+    raise TimeoutError(f"batch {batch_id} did not finish in {timeout} s")
+
+
+def run_batch(client, lines, endpoint=COMPLETIONS, poll_s=0.05):
+    """The whole batch path as a user drives it: upload, create, wait, download the output.
+    Returns (the finished batch, the output bytes)."""
+    batch = wait_batch(client, start_batch(client, lines, endpoint)["id"], poll_s)
+    if batch["status"] != "completed":
+        raise RuntimeError(f"batch {batch['id']} ended {batch['status']}: {batch.get('errors')}")
+    output = client.get(f"/v1/files/{batch['output_file_id']}/content").content if batch["output_file_id"] else b""
+    return batch, output
+
+
+def tiny_model():
+    """The tests' tiny random Llama (made once by createtestmodel): where the model is nearly free."""
+    from tests.conftest import build_test_model
+
+    return build_test_model()

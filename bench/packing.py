@@ -8,7 +8,6 @@ in random order; embeddings use the same texts. The default model is the package
 """
 
 import argparse
-import random
 
 
 def main(argv=None):
@@ -19,7 +18,7 @@ def main(argv=None):
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the packaged SmolLM2)")
     args = parser.parse_args(argv)
 
-    from bench.common import interleaved_medians, load_resident, report, setup_django
+    from bench.common import check, interleaved_medians, load_resident, report, scoring_texts, setup_django
 
     setup_django()
     import torch
@@ -29,16 +28,7 @@ def main(argv=None):
     from inference_app.schemas import parse_request
 
     resident = load_resident(args.model)
-    generator = random.Random(7)
-    vocabulary = [word for word in resident.tokenizer.get_vocab() if word.isalpha() and len(word) > 2][:5000]
-
-    def text_of(tokens):
-        words = []
-        while len(resident.encode(" ".join(words))) < tokens:
-            words.append(generator.choice(vocabulary))
-        return " ".join(words)
-
-    texts = [text_of(generator.randint(10, 60)) for _ in range(args.rows)]
+    texts = scoring_texts(resident, args.rows)
     scoring = [parse_request("/v1/completions", {"model": resident.model_id, "prompt": text, "max_tokens": 1, "logprobs": 5}, True)
                for text in texts]
     embedding = [parse_request("/v1/embeddings", {"model": resident.model_id, "input": text}, True) for text in texts]
@@ -109,7 +99,10 @@ def main(argv=None):
         "embeddings_length_aware_rows_per_s": n / embed_aware_s,
         "embeddings_min_cosine": min(cosines),
     }
-    report("packing", [
+    checks = [
+        check("length-aware packed / single", f"{figures['length_aware_speedup']:.2f}x", ">= 2x", figures["length_aware_speedup"] >= 2),
+    ]
+    return report("packing", [
         ("model", f"{resident.model_id} ({resident.dtype_name}), {n} rows of 10-60 tokens, packs of {size}"),
         ("single", f"{figures['single_rows_per_s']:.1f} rows/s"),
         ("packed, file order", f"{figures['packed_file_order_rows_per_s']:.1f} rows/s ({figures['file_order_speedup']:.2f}x)"),
@@ -118,8 +111,7 @@ def main(argv=None):
         ("rows whose top token changed", f"{changed} of {n} ({100 * changed / n:.2f}%)"),
         ("embeddings single / length-aware", f"{figures['embeddings_single_rows_per_s']:.1f} / {figures['embeddings_length_aware_rows_per_s']:.1f} rows/s"),
         ("embeddings min cosine", f"{min(cosines):.7f}"),
-    ], figures)
-    return figures
+    ], figures, checks)
 
 
 if __name__ == "__main__":

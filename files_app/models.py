@@ -1,8 +1,10 @@
 """Files: batch inputs and outputs. The record lives in PostgreSQL, the bytes in django-storages."""
 
+import errno
 import logging
 from datetime import timedelta
 
+from django.core.exceptions import SuspiciousFileOperation
 from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
@@ -18,6 +20,23 @@ IDEMPOTENCY_WINDOW = timedelta(hours=24)
 
 def file_storage():
     return storages["default"]
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_RETRY_AFTER_S = 30
+
+
+def disk_full(error):
+    """The refusal for an OSError of a full disk (or quota), else None: 507 insufficient_storage
+    (WebDAV's status for "the server cannot store the representation"), with Retry-After."""
+    if not isinstance(error, OSError) or error.errno not in DISK_FULL:
+        return None
+    return ApiError(
+        507, "insufficient_storage",
+        "The server's file storage is full (no space left on the disk that holds MILLM_DATA_DIR); "
+        "nothing was stored. Retry once space is freed.",
+        retry_after=DISK_FULL_RETRY_AFTER_S,
+    )
 
 
 class FileQuerySet(models.QuerySet):
@@ -92,7 +111,17 @@ class File(models.Model):
         """Step one of recording: the bytes saved under their final name, and the unsaved
         record that will own them (the caller saves it in its own transaction)."""
         file_id = new_id("file-")
-        stored = file_storage().save(f"files/{file_id}.jsonl", upload)
+        name = f"files/{file_id}.jsonl"
+        try:
+            stored = file_storage().save(name, upload)
+        except BaseException:
+            # A failed save (a full disk) may leave a partial file under the final name: it is
+            # never recorded, so never served; remove it now rather than at the orphan sweep.
+            try:
+                file_storage().delete(name)
+            except Exception:
+                log.warning("could not remove the partial bytes %s; the orphan sweep will", name, exc_info=True)
+            raise
         now = timezone.now()
         return cls(
             id=file_id,
@@ -133,7 +162,13 @@ class File(models.Model):
         """The bytes, or 404 file_expired for an expired file (its record stays)."""
         if self.is_expired:
             raise ApiError(404, "file_expired", f"The file '{self.id}' expired; its content is gone", param="file_id")
-        return file_storage().open(self.storage_name, "rb")
+        try:
+            return file_storage().open(self.storage_name, "rb")
+        except (SuspiciousFileOperation, FileNotFoundError) as error:
+            # A storage name outside storage (the storage refuses it) or bytes that are gone: never read.
+            log.error("the content of %s cannot be opened from storage: %r", self.pk, error)
+            raise ApiError(404, "file_not_found", f"The content of the file '{self.id}' is not in storage",
+                           param="file_id") from None
 
     def unfinished_user(self):
         """An unfinished object that still needs these bytes, found through the reverse
@@ -196,6 +231,10 @@ class IdempotencyKey(models.Model):
     def lookup(cls, scope, key):
         if not key:
             return None
+        limit = cls._meta.get_field("key").max_length
+        if len(key) > limit:
+            raise ApiError(400, "invalid_parameter", f"Invalid value for 'Idempotency-Key': at most {limit} characters, "
+                           f"got {len(key):,}", param="Idempotency-Key")
         cls.objects.filter(scope=scope, key=key, created_at__lt=timezone.now() - IDEMPOTENCY_WINDOW).delete()
         found = cls.objects.filter(scope=scope, key=key).first()
         return found.object_id if found else None

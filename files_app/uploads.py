@@ -10,6 +10,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import TemporaryUploadedFile
 from django.core.files.uploadhandler import FileUploadHandler
 
+from files_app.models import disk_full
 from inference_app.errors import ApiError
 
 FILE_FIELD = "file"
@@ -83,7 +84,10 @@ class BatchFileUploadHandler(FileUploadHandler):
                 f"Send exactly one file, in the multipart part named 'file' (got a file part named {field_name!r})",
                 param=FILE_FIELD,
             )
-        self.upload = TemporaryUploadedFile(file_name or "upload.jsonl", "application/jsonl", 0, None)
+        try:
+            self.upload = TemporaryUploadedFile(file_name or "upload.jsonl", "application/jsonl", 0, None)
+        except OSError as error:
+            raise disk_full(error) or error
         self.counter = LineCounter(
             settings.BATCH_MAX_FILE_BYTES, settings.BATCH_MAX_ROWS, settings.BATCH_MAX_LINE_BYTES
         )
@@ -94,7 +98,11 @@ class BatchFileUploadHandler(FileUploadHandler):
         except ApiError:
             self._discard()
             raise
-        self.upload.write(raw_data)
+        try:
+            self.upload.write(raw_data)
+        except OSError as error:
+            self._discard()
+            raise disk_full(error) or error
         return None
 
     def file_complete(self, file_size):
@@ -103,11 +111,18 @@ class BatchFileUploadHandler(FileUploadHandler):
         except ApiError:
             self._discard()
             raise
-        self.upload.seek(0)
+        try:
+            self.upload.seek(0)  # flushes what is buffered: a full disk shows here too
+        except OSError as error:
+            self._discard()
+            raise disk_full(error) or error
         self.upload.size = file_size
         return self.upload
 
     def _discard(self):
         if self.upload is not None:
-            self.upload.close()  # a TemporaryUploadedFile removes itself on close
+            try:
+                self.upload.close()  # a TemporaryUploadedFile removes itself on close
+            except OSError:
+                pass  # the flush on close failed (a full disk); the file is removed all the same
             self.upload = None

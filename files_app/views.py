@@ -7,14 +7,16 @@ from rest_framework.decorators import action
 from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 
-from files_app.models import File, IdempotencyKey
+from files_app.models import File, IdempotencyKey, disk_full
 from files_app.uploads import BatchFileUploadHandler
 from inference_app.errors import ApiError
+from millm_site.openapi import file_viewset_schema
 from millm_site.pagination import list_page, query_choice, query_int
 
 EXPIRES_AFTER_RANGE = (3_600, 2_592_000)
 
 
+@file_viewset_schema
 class FileViewSet(viewsets.ViewSet):
     parser_classes = [MultiPartParser]
 
@@ -53,7 +55,14 @@ class FileViewSet(viewsets.ViewSet):
         except ApiError:
             _discard(request)
             raise
-        file, _ = File.record(upload, File.Purpose.BATCH, seconds, key)
+        try:
+            file, _ = File.record(upload, File.Purpose.BATCH, seconds, key)
+        except OSError as error:
+            _discard(request)
+            refusal = disk_full(error)
+            if refusal is None:
+                raise
+            raise refusal from error
         return Response(file.to_openai())
 
     def destroy(self, request, pk=None):

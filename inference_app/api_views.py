@@ -66,6 +66,9 @@ def models(request):
     except ImproperlyConfigured as error:
         message = str(error).replace("MILLM_MODEL", "source")
         raise ApiError(400, "invalid_model_request", message, param="source", details={"field": "source"}) from None
+    except OSError as error:  # a name too long for the filesystem, a loop of links...
+        raise ApiError(400, "invalid_model_request", f"source cannot be read: {error.strerror} "
+                       f"({len(body.source):,} characters)", param="source", details={"field": "source"}) from None
     try:
         entry = ModelEntry.objects.create(
             id=source.model_id,

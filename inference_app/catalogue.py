@@ -62,9 +62,10 @@ def model_source(value=None, model_id=None):
     raise ImproperlyConfigured(f"MILLM_MODEL must be a model folder or a .gguf file, got {str(path)!r}")
 
 
-def resolve(name):
+def resolve(name, engines=None):
     """The catalogue entry a request's `model` names, or the 404 the routes answer; synchronous
-    routes and batch lines both resolve here.
+    routes and batch lines both resolve here. `engines`: the live active engines, when the
+    caller has them already.
 
     1. An exact id resolves, except a checkpoint that is not resident (never auto-loaded) and a
        catalogue id whose resident weights a save or a checkpoint load renamed.
@@ -73,7 +74,8 @@ def resolve(name):
     """
     entry = ModelEntry.objects.filter(pk=name).first()
     if entry is not None:
-        _check_requestable(entry)
+        engines = engines if engines is not None else list(Engine.objects.live().active())
+        _check_requestable(entry, {engine.resident_model_id for engine in engines if engine.resident_model_id})
         return entry
     tagged = list(
         ModelEntry.objects.filter(id__startswith=f"{name}:", kind=ModelEntry.Kind.CATALOGUE).values_list("id", flat=True)
@@ -86,17 +88,17 @@ def resolve(name):
     raise model_not_found(name, f"The model '{name}' does not exist. GET /v1/models lists the models served here.")
 
 
-def _check_requestable(entry):
-    served = Engine.objects.live().active().exclude(resident_model_id=None)
-    if entry.kind == ModelEntry.Kind.CHECKPOINT:
-        if not served.filter(resident_model_id=entry.pk).exists():
-            raise model_not_found(
-                entry.pk,
-                f"The checkpoint '{entry.pk}' is not resident, and a request never loads a checkpoint. "
-                f"Load it with POST /api/models/{entry.pk}/load, or send a model /v1/models lists.",
-            )
+def _check_requestable(entry, resident):
+    """`resident`: the ids live active engines serve."""
+    if entry.pk in resident:
         return
-    renamed = renamed_to(entry, served)
+    if entry.kind == ModelEntry.Kind.CHECKPOINT:
+        raise model_not_found(
+            entry.pk,
+            f"The checkpoint '{entry.pk}' is not resident, and a request never loads a checkpoint. "
+            f"Load it with POST /api/models/{entry.pk}/load, or send a model /v1/models lists.",
+        )
+    renamed = resident and ModelEntry.objects.filter(pk__in=resident, base=entry).values_list("id", flat=True).first()
     if renamed:
         raise model_not_found(
             entry.pk,
@@ -104,15 +106,6 @@ def _check_requestable(entry):
             f"'{renamed}', which is resident now. Send '{renamed}', or load '{entry.pk}' again with "
             f"POST /api/models/{entry.pk}/load.",
         )
-
-
-def renamed_to(entry, served=None):
-    """The resident checkpoint of a catalogue model that is not itself resident, if any."""
-    served = served if served is not None else Engine.objects.live().active().exclude(resident_model_id=None)
-    if served.filter(resident_model_id=entry.pk).exists():
-        return None
-    checkpoints = ModelEntry.objects.filter(base=entry).values_list("id", flat=True)
-    return served.filter(resident_model_id__in=checkpoints).values_list("resident_model_id", flat=True).first()
 
 
 def requestable():

@@ -31,7 +31,9 @@ class ApiError(Exception):
         return {
             "success": False,
             "data": None,
-            "error": {"code": self.code.upper(), "message": self.message, "details": self.details or {}},
+            # The field goes in details when nothing more precise does (the envelope has no param).
+            "error": {"code": self.code.upper(), "message": self.message,
+                      "details": self.details or ({"field": self.param} if self.param else {})},
         }
 
     def to_wire(self):

@@ -7,15 +7,35 @@ hanging until MILLM_REQUEST_TIMEOUT_S.
 """
 
 import asyncio
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import close_old_connections
 
 from inference_app.catalogue import model_not_loaded, model_not_resident, resolve
 from inference_app.errors import ApiError
 from inference_app.models import Engine
+
+
+# Web's database reads for forwarding run on a few threads shared by every request. On the
+# request's own thread (Django's ASGI handler gives each request one), each waiting request would
+# hold a database connection until it ends: 100 requests queued at the engine would hold 100,
+# past PostgreSQL's max_connections, and be refused for that instead of answered.
+GATEWAY_DB_THREADS = 4
+_db_pool = ThreadPoolExecutor(GATEWAY_DB_THREADS, thread_name_prefix="gateway-db")
+
+
+def on_db_pool(func):
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        close_old_connections()  # a pooled thread has no request signals: replace a dropped connection here
+        return func(*args, **kwargs)
+
+    return sync_to_async(run, thread_sensitive=False, executor=_db_pool)
 
 
 def engine_unavailable(model_id):
@@ -28,15 +48,17 @@ def engine_unavailable(model_id):
     )
 
 
-@sync_to_async
+@on_db_pool
 def engine_for(model_name, load_policy="auto"):
     """Resolve the request's model by the catalogue rules, then pick the engine to send it to:
     the one serving or loading it; else (load policy auto) one that will load it."""
-    entry = resolve(model_name)
-    engine = Engine.objects.serving(entry.id) or Engine.objects.loading(entry.id)
+    engines = list(Engine.objects.live().active())  # newest heartbeat first
+    entry = resolve(model_name, engines)
+    engine = next((e for e in engines if e.resident_model_id == entry.id), None) or next(
+        (e for e in engines if e.loading_model_id == entry.id), None
+    )
     if engine is not None:
         return engine
-    engines = list(Engine.objects.live().active())
     if load_policy == "refuse":
         resident = ", ".join(e.resident_model_id for e in engines if e.resident_model_id) or None
         raise model_not_resident(entry.id, resident)
@@ -62,7 +84,7 @@ def autoload_candidate(model_id, engines):
     return engines[0] if engines else None
 
 
-@sync_to_async
+@on_db_pool
 def engine_with_resident_model(model_id=None):
     """For probe scoring (which names no model): the engine serving `model_id`, or the only one."""
     if model_id is not None:
@@ -83,7 +105,7 @@ def engine_with_resident_model(model_id=None):
     return engines[0]
 
 
-@sync_to_async
+@on_db_pool
 def _engine_alive(engine_id):
     return Engine.objects.live().filter(pk=engine_id, role=Engine.Role.ACTIVE).exists()
 

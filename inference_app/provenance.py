@@ -41,7 +41,10 @@ def ignored_fields_header(paths):
 
 
 def _sf_string(value):
-    # RFC 8941 strings are printable ASCII; anything else is escaped the Python way first.
+    # RFC 8941 strings are printable ASCII; anything else (control characters included) is
+    # escaped the Python way first.
     if not all(32 <= ord(char) < 127 for char in value):
-        value = value.encode("ascii", "backslashreplace").decode("ascii")
+        value = "".join(
+            char if 32 <= ord(char) < 127 else char.encode("unicode_escape").decode("ascii") for char in value
+        )
     return str(http_sfv.Item(value))

@@ -228,17 +228,63 @@ class ParsedRequest:
     ignored: list[str] = field(default_factory=list)
 
 
+# Arrays and objects inside one another: a request needs a handful of levels (chat: 5).
+MAX_JSON_DEPTH = 64
+
+
 def decode_json(raw):
     """Bytes to a JSON object, or the 400 the routes answer for malformed JSON."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-        return json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant)
     except UnicodeDecodeError as error:
         raise ApiError(400, "invalid_json", f"Request body is not valid UTF-8: {error.reason} at byte {error.start}")
     except RecursionError:
-        raise ApiError(400, "invalid_json", "Request body is nested too deeply to parse")
+        raise ApiError(400, "invalid_json", f"Request body is nested too deeply to parse (the limit is {MAX_JSON_DEPTH} levels)")
     except ValueError as error:
         raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {error}")
+    unusable = unusable_text(value)
+    if unusable is not None:
+        path, what = unusable
+        raise ApiError(400, "invalid_json", f"Request body is not usable JSON: '{path or 'body'}' {what}",
+                       param=path or None)
+    return value
+
+
+def unusable_text(value):
+    """(dotted path, what is wrong) of the first string, key or value, holding U+0000 or an unpaired
+    surrogate, or of the first array or object nested deeper than MAX_JSON_DEPTH; None when there
+    is none. JSON's \\u escapes can spell both characters, but PostgreSQL cannot store U+0000 and
+    UTF-8 cannot encode a lone surrogate (the tokenizer refuses it); deeper nesting than any
+    request needs would exhaust the recursion of the validators. So the routes and batch lines
+    refuse them up front. Iterative: the walk itself has no depth limit."""
+    stack = [((), value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, (dict, list)) and len(path) >= MAX_JSON_DEPTH:
+            return ".".join(map(str, path)), f"is nested more than {MAX_JSON_DEPTH} levels deep"
+        if isinstance(item, dict):
+            for key in item:
+                if what := _unusable(key):
+                    return ".".join(map(str, path)), f"has a key holding {what}"
+            stack.extend(((*path, key), child) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend(((*path, index), child) for index, child in reversed(list(enumerate(item))))
+        elif isinstance(item, str) and (what := _unusable(item)):
+            return ".".join(map(str, path)), f"holds {what}"
+    return None
+
+
+def _unusable(text):
+    if "\x00" in text:
+        return "U+0000 (a NUL character, \\u0000), which cannot be stored"
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"an unpaired surrogate (\\u{ord(text[error.start]):04x}), which is not Unicode text"
+    return None
 
 
 def _refuse_constant(name):

@@ -66,22 +66,26 @@ async def embeddings(request):
     return await _infer(request, "/v1/embeddings")
 
 
+@csrf_exempt  # no cookie session here: a wrong method is 405, never a CSRF 403
 @require_GET
 def models_list(request):
     data = [entry.to_openai() for entry in requestable()]
     return json_response({"object": "list", "data": data})
 
 
+@csrf_exempt
 @require_GET
 def model_detail(request, model_id):
     return json_response(resolve(model_id).to_openai())
 
 
+@csrf_exempt
 @require_GET
 def health(request):
     return json_response({"status": "ok", "version": settings.VERSION, "timestamp": int(time.time())})
 
 
+@csrf_exempt
 @require_GET
 def health_detailed(request):
     engines = list(Engine.objects.all())
@@ -124,6 +128,7 @@ def _backlog(engines):
     return sum(figures)
 
 
+@csrf_exempt
 @require_GET
 def metrics_view(request):
     return HttpResponse(metrics.render(), content_type=CONTENT_TYPE_LATEST)

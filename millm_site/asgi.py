@@ -15,10 +15,23 @@ django_application = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
+from django.http import Http404  # noqa: E402
 
 from batches_app.routing import websocket_urlpatterns  # noqa: E402
 from millm_site.middleware import BodyLimitASGI  # noqa: E402
 from millm_site.socketio_app import application as socketio_application  # noqa: E402
+
+
+class StaticFiles(ASGIStaticFilesHandler):
+    """The admin's CSS and scripts. A path that climbs out of the static folders (`/static/../x`)
+    is refused by the finders with SuspiciousFileOperation: a 404 here, not a 500."""
+
+    def serve(self, request):
+        try:
+            return super().serve(request)
+        except SuspiciousFileOperation:
+            raise Http404("No such static file") from None
 
 
 class SocketIORouter:
@@ -37,7 +50,7 @@ class SocketIORouter:
 application = ProtocolTypeRouter(
     {
         # The admin's own CSS and scripts are served here too: one process to run, no build step.
-        "http": SocketIORouter(BodyLimitASGI(ASGIStaticFilesHandler(django_application))),
+        "http": SocketIORouter(BodyLimitASGI(StaticFiles(django_application))),
         "websocket": SocketIORouter(URLRouter(websocket_urlpatterns)),
     }
 )

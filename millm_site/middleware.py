@@ -139,10 +139,32 @@ class ApiErrorMiddleware(Middleware):
             declared = request.META.get("CONTENT_LENGTH")
             measured = f"{int(declared):,} bytes" if declared and declared.isdigit() else "over the limit"
             error = request_too_large(measured, settings.MILLM_MAX_BODY_BYTES)
+        elif (error := backend_unavailable(exception)) is not None:
+            log.warning("%s on %s %s: %s", error.code, request.method, path, exception)
         else:
             log.exception("unhandled error on %s %s", request.method, path, exc_info=exception)
             error = internal_error()
         return error_response(error, management=is_management(path))
+
+
+BACKEND_RETRY_AFTER_S = 2
+
+
+def backend_unavailable(exception):
+    """PostgreSQL or Redis unreachable (restarting, a network cut): 503 with Retry-After, which a
+    client retries, rather than a 500; both come back by themselves. Else None."""
+    from django.db import InterfaceError, OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(exception, (OperationalError, InterfaceError)):
+        what = "the database (PostgreSQL)"
+    elif isinstance(exception, (RedisConnectionError, RedisTimeoutError)):
+        what = "the channel layer (Redis) that carries requests to the engine"
+    else:
+        return None
+    return ApiError(503, "service_unavailable", f"The server cannot reach {what} right now; retry shortly",
+                    retry_after=BACKEND_RETRY_AFTER_S)
 
 
 def _reason(response):
@@ -171,6 +193,27 @@ class ApiKeyMiddleware(Middleware):
                 "invalid_api_key",
                 f"The bearer key is {reason}: send Authorization: Bearer <key> with a key from MILLM_API_KEYS",
             ),
+            request.request_id,
+        )
+
+
+class UrlGuardMiddleware(Middleware):
+    """A NUL (%00) in the path or a query parameter is a 400 naming where it is: no id or value
+    here can hold one (PostgreSQL cannot store U+0000), so it never reaches a query."""
+
+    def before(self, request):
+        if "\x00" in request.path:
+            where = "path"
+        else:
+            where = next((name for name, values in request.GET.lists()
+                          if "\x00" in name or any("\x00" in value for value in values)), None)
+        if where is None:
+            return None
+        where = where.replace("\x00", "%00")
+        return render_error(
+            request.path,
+            ApiError(400, "invalid_parameter", f"Invalid value for '{where}': it holds a NUL character (%00), "
+                     "which no id or value here can hold", param=where),
             request.request_id,
         )
 

@@ -30,10 +30,13 @@ async def connect(sid, environ, auth):
     if keys:
         token = (auth or {}).get("token") if isinstance(auth, dict) else None
         if not token:
+            header = environ.get("HTTP_AUTHORIZATION", "")  # Authorization: Bearer <key>, as on HTTP routes
+            token = header[7:].strip() if header[:7].lower() == "bearer " else None
+        if not token:
             from urllib.parse import parse_qs
 
             token = (parse_qs(environ.get("QUERY_STRING", "")).get("token") or [""])[0]
-        if not token or not key_is_valid(token, keys):
+        if not token or not isinstance(token, str) or not key_is_valid(token, keys):
             raise socketio.exceptions.ConnectionRefusedError("a bearer key from MILLM_API_KEYS is needed")
     await sio.enter_room(sid, ALL_ROOM)
     await sio.enter_room(sid, MODELS_ROOM)

@@ -450,6 +450,13 @@ def _max_tokens(runtime, prompt_ids, requested, default, prompt_param):
 
 
 def _check_context(runtime, prompt_tokens, max_tokens, prompt_param):
+    if prompt_tokens == 0:
+        # "" encodes to nothing, and a forward pass needs at least one token.
+        raise ApiError(
+            400, "invalid_parameter",
+            f"Invalid value for '{prompt_param}': the prompt encodes to no tokens; send some text",
+            param=prompt_param,
+        )
     if prompt_tokens + max_tokens <= runtime.context_length:
         return
     where = "messages" if prompt_param == "messages" else "prompt"

@@ -10,6 +10,7 @@ sync thread (sync_to_async); forward passes run in the model executor, one per s
 """
 
 import asyncio
+import contextlib
 import gc
 import hashlib
 import logging
@@ -45,6 +46,8 @@ log = logging.getLogger("millm.engine")
 
 STALE_ROW_RETENTION = timedelta(days=1)
 SHUTDOWN_GRACE_S = 30
+LAYER_RETRY_MAX_S = 2.0
+LOST_LOCK_EXIT = 3  # the exit status of an engine whose model's lock another engine took
 
 
 def advisory_key(model_id):
@@ -73,6 +76,7 @@ class Worker:
         self.role = Engine.Role.STANDBY
         self.requests = {}
         self.stopping = None
+        self.lost_lock = False
         self._lock_connection = None
 
     # --- database steps (sync) ---
@@ -94,14 +98,58 @@ class Worker:
         """Take the model's advisory lock on a connection held for the engine's lifetime.
 
         A session-level lock: PostgreSQL releases it when this process dies, which is how a
-        standby learns it may take over.
+        standby learns it may take over. While PostgreSQL is unreachable (a restart cut the
+        connection), False: the connection is made again at the next call.
         """
-        if self._lock_connection is None:
-            self._lock_connection = psycopg.connect(conninfo(), autocommit=True)
-        row = self._lock_connection.execute(
-            "SELECT pg_try_advisory_lock(%s)", [advisory_key(self.source.model_id)]
-        ).fetchone()
-        return bool(row[0])
+        try:
+            return self._take_lock()
+        except psycopg.Error as error:
+            log.warning("could not ask PostgreSQL for the lock of %s: %s", self.source.model_id, error)
+            return False
+
+    def _take_lock(self):
+        """True if the lock is ours; raises psycopg.Error when PostgreSQL cannot be reached."""
+        try:
+            if self._lock_connection is None:
+                self._lock_connection = psycopg.connect(conninfo(), autocommit=True, connect_timeout=5)
+            row = self._lock_connection.execute(
+                "SELECT pg_try_advisory_lock(%s)", [advisory_key(self.source.model_id)]
+            ).fetchone()
+            return bool(row[0])
+        except psycopg.Error:
+            self._drop_lock_connection()
+            raise
+
+    def still_active(self):
+        """An active engine's check at every heartbeat: do we still hold the model's lock?
+
+        A PostgreSQL restart cuts the lock's connection, and so frees the lock: take it again at
+        once. False when a standby took it first: that engine is the active one now.
+        """
+        if self.role != Engine.Role.ACTIVE:
+            return True
+        if self._lock_connection is not None:
+            try:
+                self._lock_connection.execute("SELECT 1")
+                return True
+            except psycopg.Error:
+                log.warning("the connection holding the lock of %s was lost; taking the lock again", self.source.model_id)
+                self._drop_lock_connection()
+        try:
+            held = self._take_lock()
+        except psycopg.Error:
+            return True  # PostgreSQL is still down: no other engine can take the lock meanwhile
+        if held:
+            log.info("engine %s holds the lock of %s again", self.engine_id, self.source.model_id)
+        return held
+
+    def _drop_lock_connection(self):
+        if self._lock_connection is not None:
+            try:
+                self._lock_connection.close()
+            except psycopg.Error:
+                pass
+            self._lock_connection = None
 
     def activate(self):
         """Start-up, once the advisory lock is ours: end the leases a restart ends, and correct
@@ -252,6 +300,8 @@ class Worker:
 
     def run(self):
         asyncio.run(self.serve())
+        if self.lost_lock:
+            raise SystemExit(LOST_LOCK_EXIT)
 
     async def serve(self):
         """1. Register as a standby and start the heartbeat.
@@ -342,6 +392,14 @@ class Worker:
     async def _heartbeat_loop(self):
         while True:
             try:
+                if not await sync_to_async(self.still_active)():
+                    # A standby holds the lock and is the active engine now (SPEC 5: one active
+                    # engine per model): stop, with a status a supervisor restarts (as a standby).
+                    log.error("engine %s lost the lock of %s to another engine; stopping", self.engine_id,
+                              self.source.model_id)
+                    self.role = Engine.Role.STANDBY
+                    self.lost_lock = True
+                    self.stopping.set()
                 await sync_to_async(self.heartbeat)()
             except Exception:
                 log.exception("heartbeat failed; retrying")
@@ -354,7 +412,8 @@ class Worker:
                 log.info("%s: %s", name, outcome)
             except Exception:
                 log.exception("%s failed; it runs again in %s s", name, interval)
-            await self.nap(interval)
+            with contextlib.suppress(TimeoutError):  # only a stop ends this wait early, not a wake
+                await asyncio.wait_for(self.stopping.wait(), interval)
 
     async def nap(self, seconds):
         """Sleep up to `seconds`; a wake message (a batch was created, cancelled, handed a
@@ -372,6 +431,7 @@ class Worker:
     async def _consume(self):
         layer = get_channel_layer()
         stop = asyncio.create_task(self.stopping.wait())
+        layer_failures = 0
         while not self.stopping.is_set():
             receive = asyncio.create_task(layer.receive(self.channel))
             done, _ = await asyncio.wait({receive, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -379,7 +439,21 @@ class Worker:
                 receive.cancel()
                 break
             try:
-                self._dispatch(receive.result())
+                message = receive.result()
+            except Exception as error:
+                # Redis is down or restarting: wait a little (longer each time, up to
+                # LAYER_RETRY_MAX_S) instead of spinning, then receive again.
+                layer_failures += 1
+                delay = min(LAYER_RETRY_MAX_S, 0.1 * 2 ** min(layer_failures - 1, 5))
+                log.warning("the channel layer failed (%s); receiving again in %.1f s", error, delay,
+                            exc_info=layer_failures == 1)
+                await asyncio.wait({stop}, timeout=delay)
+                continue
+            if layer_failures:
+                log.info("the channel layer is back after %d failed receive(s)", layer_failures)
+                layer_failures = 0
+            try:
+                self._dispatch(message)
             except Exception:
                 log.exception("could not dispatch a message")
         stop.cancel()
@@ -393,7 +467,7 @@ class Worker:
         elif kind == "cancel":
             self.cancel(message["id"])
         elif kind == "wake":
-            self._wake()
+            self.wake()
         elif kind in ("load", "unload"):
             asyncio.create_task(self._control(message))
         elif kind == "weights":
@@ -446,7 +520,7 @@ class Worker:
         if op == "save":
             await self._model_event("model:save:complete", body["model"], renamed_from=model_id)
         if op in ("commit", "save"):
-            self._wake()
+            self.wake()
 
     def _weights_in_thread(self, op, message):
         try:
@@ -505,7 +579,7 @@ class Worker:
         return {"model": checkpoint.pk, "base": checkpoint.base_id, "renamed_from": previous.pk,
                 "revision": revision, "path": str(path)}
 
-    def _wake(self):
+    def wake(self):
         for woken in self.nappers:
             woken.set()
 

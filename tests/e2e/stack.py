@@ -61,16 +61,20 @@ class Process:
 class Stack:
     """One database and channel prefix; any number of web and engine processes on them."""
 
-    def __init__(self, work_dir, model_dir, **settings):
+    def __init__(self, work_dir, model_dir, pg_port=5432, redis_url="redis://127.0.0.1:6379/0", **settings):
+        """`pg_port` and `redis_url`: another PostgreSQL cluster and Redis (tests/e2e/faults.py
+        starts private ones, so that restarting them disturbs nothing else)."""
         self.work_dir = Path(work_dir)
         self.model_dir = Path(model_dir)
         self.tag = f"{os.getpid()}_{uuid.uuid4().hex[:6]}"
         self.db_name = f"millm_e2e_{self.tag}"
+        self.pg_port = pg_port
+        self.admin_dsn = ADMIN_DSN if pg_port == 5432 else f"postgresql://postgres@127.0.0.1:{pg_port}/postgres"
         self.env = {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "millm_site.settings",
-            "DATABASE_URL": f"postgres://postgres@127.0.0.1:5432/{self.db_name}",
-            "REDIS_URL": "redis://127.0.0.1:6379/0",
+            "DATABASE_URL": f"postgres://postgres@127.0.0.1:{pg_port}/{self.db_name}",
+            "REDIS_URL": redis_url,
             "MILLM_CHANNEL_PREFIX": f"millm-e2e-{self.tag}",
             "MILLM_MODEL": str(self.model_dir),
             "MILLM_DATA_DIR": str(self.work_dir / "data"),
@@ -83,7 +87,7 @@ class Stack:
         self.processes = []
 
     def create_database(self):
-        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.db_name)))
         subprocess.run(
             [PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, env=self.env, check=True
@@ -98,15 +102,20 @@ class Stack:
         try:
             stack.engine = stack.start_engine()
             stack.web = stack.start_web()
-            stack.wait_for_model(stack.web, stack.model_dir.name, engine=stack.engine)
+            stack.wait_for_model(stack.web, stack.model_id, engine=stack.engine)
             yield stack
         finally:
             stack.close()
 
     def sql(self, query, params=()):
         """Read the stack's database directly, as an operator would."""
-        with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{self.db_name}") as conn:
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.pg_port}/{self.db_name}") as conn:
             return conn.execute(query, params).fetchall()
+
+    @property
+    def model_id(self):
+        """The id the engine serves its model under: MILLM_MODEL_ID, or the folder's name."""
+        return self.env.get("MILLM_MODEL_ID") or self.model_dir.name
 
     @property
     def data_dir(self):
@@ -117,7 +126,7 @@ class Stack:
         return sorted(path.name for path in folder.iterdir()) if folder.exists() else []
 
     def drop_database(self):
-        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.db_name)))
 
     def start_engine(self, **settings):
@@ -148,7 +157,7 @@ class Stack:
 
     def engine_id(self, model_id=None):
         """The id of the live active engine of the stack's model."""
-        model_id = model_id or self.model_dir.name
+        model_id = model_id or self.model_id
         return next(e["id"] for e in self.engines(self.web) if e["role"] == "active" and e["model"] == model_id and e["alive"])
 
     def engines(self, web):

@@ -35,12 +35,17 @@ def test_metrics_are_prometheus_text_with_requests_and_engines(stack, client):
 
 
 def test_a_request_whose_caller_left_is_dropped_before_it_runs(stack):
-    holder = threading.Thread(target=lambda: httpx.post(stack.web.url + "/v1/chat/completions", json=LONG, timeout=60))
-    holder.start()
+    # Two long generations ahead of it (MAX_PENDING_REQUESTS is 3), so it surely still waits
+    # when its caller gives up, however fast the machine is.
+    holders = [threading.Thread(target=lambda: httpx.post(stack.web.url + "/v1/chat/completions", json=LONG, timeout=60))
+               for _ in range(2)]
+    for holder in holders:
+        holder.start()
     time.sleep(0.3)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.web.url + "/v1/chat/completions", json={**LONG, "max_tokens": 3}, timeout=0.5)
-    holder.join()
+    for holder in holders:
+        holder.join()
     wait_until(lambda: "its caller left" in stack.engine.log(), 10, "the engine did not drop the abandoned request")
 
 

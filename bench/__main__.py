@@ -1,0 +1,163 @@
+"""Every benchmark part in one run: a table of each figure beside its goal, JSON under
+bench/results/, the README's results section and the packing chart (docs/bench/packing.png).
+
+    python -m bench [PART ...] [--quick] [--no-readme]
+
+PART is any of pipeline, overhead, interactive, roundtrip, packing, memory (default: all, in that
+order). --quick runs each at a tiny size on the tiny test model (what the smoke test runs): the
+figures say nothing then, so --quick never rewrites the README.
+"""
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import platform
+import re
+import time
+
+from bench.common import RESULTS, ROOT, machine
+
+PARTS = ["pipeline", "overhead", "interactive", "roundtrip", "packing", "memory"]
+# The model of each part's web and engine processes in the full run (--quick: all tiny).
+STACK_MODEL = {"pipeline": "default", "interactive": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
+CHART = ROOT / "docs" / "bench" / "packing.png"
+README = ROOT / "README.md"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def sizes(part, quick, tiny):
+    """Each part's arguments: the full run's, or tiny ones that only prove the part still works."""
+    if not quick:
+        return {
+            "pipeline": ["--rows", "200", "--repeats", "3"],
+            "overhead": ["--rows", "50000", "--sample", "2000"],
+            "interactive": ["--requests", "40", "--batch-rows", "3000"],
+            "roundtrip": ["--requests", "300"],
+            "packing": ["--rows", "256", "--repeats", "3"],
+            "memory": ["--upload-mb", "200", "--lines", "50000"],
+        }[part]
+    model = ["--model", tiny]
+    return {
+        "pipeline": ["--rows", "8", "--repeats", "1", *model],
+        "overhead": ["--rows", "40", "--sample", "8", *model],
+        "interactive": ["--requests", "3", "--batch-rows", "400", "--max-tokens", "2", *model],
+        "roundtrip": ["--requests", "25", *model],
+        "packing": ["--rows", "6", "--repeats", "1", "--window", "4", *model],
+        "memory": ["--upload-mb", "2", "--lines", "40", *model],
+    }[part]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes on the tiny model: proves the parts run")
+    parser.add_argument("--no-readme", action="store_true", help="leave README.md and the chart alone")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
+    parts = args.parts or PARTS
+    from bench.common import setup_django, stack, tiny_model
+
+    setup_django()
+    tiny = str(tiny_model())
+    started = time.monotonic()
+    results = {}
+    with contextlib.ExitStack() as stacks:
+        shared = {}  # one stack per model, shared by the parts that run on it
+        for part in parts:
+            module = importlib.import_module(f"bench.{part}")
+            part_started = time.monotonic()
+            kwargs = {}
+            if part in STACK_MODEL:
+                model = tiny if args.quick or STACK_MODEL[part] == "tiny" else None
+                if model not in shared:
+                    shared[model] = stacks.enter_context(stack(model))
+                kwargs["running"] = shared[model]
+            results[part] = module.main(sizes(part, args.quick, tiny), **kwargs)
+            results[part]["seconds"] = round(time.monotonic() - part_started, 1)
+    summary = {
+        "date": datetime.date.today().isoformat(),
+        "machine": describe_machine(),
+        "seconds": round(time.monotonic() - started, 1),
+        "quick": args.quick,
+        "parts": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    table = render(summary)
+    print("\n" + table)
+    if "packing" in results:
+        chart(results["packing"], RESULTS / "packing.png" if args.quick or args.no_readme else CHART)
+    if not (args.quick or args.no_readme) and set(parts) == set(PARTS):
+        write_readme(table)
+    return summary
+
+
+def describe_machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    return {**machine(), "cpu": cpu, "memory_gb": round(memory_gb, 1), "os": platform.platform(terse=True)}
+
+
+def render(summary):
+    """The results table in Markdown: every figure beside its goal, with the part's sizes."""
+    m = summary["machine"]
+    lines = [
+        f"Measured {summary['date']} by `make bench` ({summary['seconds'] / 60:.1f} minutes) on {m['cpu']}, "
+        f"{m['cores']} cores ({m['threads']} torch threads), {m['memory_gb']} GiB, {m['os']}, "
+        f"Python {m['python']}, torch {m['torch']}, CPU only.",
+        "",
+        "| part | figure | measured | goal | |",
+        "|---|---|---|---|---|",
+    ]
+    for part, figures in summary["parts"].items():
+        for item in figures.get("checks", []):
+            verdict = "met" if item["met"] else "**missed**"
+            lines.append(f"| {part} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
+    return "\n".join(lines)
+
+
+def chart(figures, path):
+    """Rows per second for single rows, packed in file order, and length-aware packing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    labels = ["single rows", "packed, file order", "packed, length-aware"]
+    values = [figures["single_rows_per_s"], figures["packed_file_order_rows_per_s"], figures["packed_length_aware_rows_per_s"]]
+    figure, axes = pyplot.subplots(figsize=(6.4, 3.2), dpi=100)
+    bars = axes.bar(labels, values, color=["#8c8c8c", "#6a9fd4", "#2f6db5"])
+    for bar, value in zip(bars, values):
+        axes.annotate(f"{value:.1f} ({value / values[0]:.2f}x)", (bar.get_x() + bar.get_width() / 2, value),
+                      ha="center", va="bottom", fontsize=9)
+    axes.set_ylabel("rows per second")
+    axes.set_title(f"Scoring rows, {figures['model']} ({figures['dtype']}), packs of {figures['pack_rows']}", fontsize=9)
+    axes.set_ylim(0, max(values) * 1.2)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    pyplot.close(figure)
+    print(f"chart written to {path.relative_to(ROOT)}")
+
+
+def write_readme(table):
+    text = README.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} section to write the results into")
+    block = f"{START}\n{table}\n\n![Scoring rows per second](docs/bench/packing.png)\n{END}"
+    README.write_text(re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, text, flags=re.S))
+    print("README.md results section rewritten")
+
+
+if __name__ == "__main__":
+    main()

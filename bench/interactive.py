@@ -1,0 +1,79 @@
+"""interactive: chat latency (p50, p99) while a batch runs versus idle, the same requests.
+Goal: p99 during a batch no more than the idle p99 plus one chunk's duration.
+
+    python -m bench.interactive [--requests 40] [--batch-rows 2000] [--model PATH]
+
+One chunk's duration is measured on the running batch itself, before the chat requests start:
+its rows per second, times BATCH_CHUNK_ROWS.
+"""
+
+import argparse
+
+
+def main(argv=None, running=None):
+    """`running`: a stack of the same model to use instead of starting one."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--batch-rows", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the packaged SmolLM2)")
+    args = parser.parse_args(argv)
+
+    from bench.common import check, percentile, report, scoring_lines, setup_django, stack_for, start_batch
+
+    setup_django()
+    import time
+
+    import httpx
+    from django.conf import settings
+
+    def chat_latencies(client, model_id):
+        seconds = []
+        for index in range(args.requests):
+            body = {"model": model_id, "messages": [{"role": "user", "content": f"Name a colour, number {index}."}],
+                    "max_tokens": args.max_tokens, "temperature": 0}
+            started = time.perf_counter()
+            answer = client.post("/v1/chat/completions", json=body)
+            seconds.append(time.perf_counter() - started)
+            answer.raise_for_status()
+        return seconds
+
+    def rows_done(client, batch_id):
+        return client.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"]
+
+    with stack_for(args.model, running) as running, httpx.Client(base_url=running.web.url, timeout=600) as client:
+        model_id = running.model_id
+        prompts = [f"Item {index}: a sentence of some length about a thing, to be scored." for index in range(args.batch_rows)]
+        chat_latencies(client, model_id)  # warm
+        idle = chat_latencies(client, model_id)
+        batch = start_batch(client, scoring_lines(model_id, prompts, logprobs=2))
+        while rows_done(client, batch["id"]) < settings.BATCH_CHUNK_ROWS:
+            time.sleep(0.05)
+        first, started = rows_done(client, batch["id"]), time.perf_counter()
+        time.sleep(3)
+        rate = (rows_done(client, batch["id"]) - first) / (time.perf_counter() - started)
+        busy = chat_latencies(client, model_id)
+        still_running = client.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
+        client.post(f"/v1/batches/{batch['id']}/cancel")
+    chunk = settings.BATCH_CHUNK_ROWS / rate if rate else float("inf")
+    figures = {
+        "model": model_id, "requests": args.requests, "max_tokens": args.max_tokens,
+        "idle_p50_s": percentile(idle, 0.5), "idle_p99_s": percentile(idle, 0.99),
+        "busy_p50_s": percentile(busy, 0.5), "busy_p99_s": percentile(busy, 0.99),
+        "batch_rows_per_s": rate, "chunk_s": chunk, "batch_ran_throughout": still_running,
+    }
+    bound = figures["idle_p99_s"] + chunk
+    return report("interactive", [
+        ("model", f"{model_id}, {args.requests} chats of {args.max_tokens} tokens, idle then beside a scoring batch"),
+        ("idle p50 / p99", f"{figures['idle_p50_s'] * 1000:.0f} / {figures['idle_p99_s'] * 1000:.0f} ms"),
+        ("during a batch p50 / p99", f"{figures['busy_p50_s'] * 1000:.0f} / {figures['busy_p99_s'] * 1000:.0f} ms"),
+        ("the batch", f"{rate:.1f} rows/s, one chunk ({settings.BATCH_CHUNK_ROWS} rows) {chunk * 1000:.0f} ms"
+                      + ("" if still_running else " (it ended before the chats did: raise --batch-rows)")),
+    ], figures, [
+        check("p99 during a batch", f"{figures['busy_p99_s'] * 1000:.0f} ms", f"<= idle p99 + one chunk = {bound * 1000:.0f} ms",
+              figures["busy_p99_s"] <= bound and still_running),
+    ])
+
+
+if __name__ == "__main__":
+    main()
