@@ -18,7 +18,7 @@ from files_app.models import file_storage
 from inference_app.catalogue import resolve
 from inference_app.errors import ApiError
 from inference_app.models import Engine, Lease
-from inference_app.schemas import PROBE_SCORE, parse_request, unusable_text
+from inference_app.schemas import PROBE_SCORE, parse_request, plainly_usable, unusable_text
 
 log = logging.getLogger("millm.batches")
 
@@ -54,12 +54,13 @@ class LineChecker:
         if not raw.strip():
             raise LineError("invalid_json", "the line is blank")
         try:
-            line = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+            text = raw.decode("utf-8")
+            line = json.loads(text, parse_constant=_refuse_constant)
         except UnicodeDecodeError as error:
             raise LineError("invalid_json", f"the line is not valid UTF-8 ({error.reason} at byte {error.start})") from None
         except (ValueError, RecursionError) as error:
             raise LineError("invalid_json", f"the line is not valid JSON: {error}") from None
-        unusable = unusable_text(line)
+        unusable = None if plainly_usable(text) else unusable_text(line)
         if unusable is not None:
             # PostgreSQL cannot store U+0000, UTF-8 cannot encode a lone surrogate: as the routes refuse them.
             raise LineError("invalid_json", f"the line is not usable JSON: '{unusable[0] or 'line'}' {unusable[1]}",

@@ -8,6 +8,7 @@ strict=True, so a line is refused with exactly the code and message the route wo
 This module imports neither torch nor the engine: web processes use it too.
 """
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
@@ -243,12 +244,19 @@ def decode_json(raw):
         raise ApiError(400, "invalid_json", f"Request body is nested too deeply to parse (the limit is {MAX_JSON_DEPTH} levels)")
     except ValueError as error:
         raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {error}")
-    unusable = unusable_text(value)
+    unusable = None if isinstance(raw, (bytes, bytearray)) and plainly_usable(text) else unusable_text(value)
     if unusable is not None:
         path, what = unusable
         raise ApiError(400, "invalid_json", f"Request body is not usable JSON: '{path or 'body'}' {what}",
                        param=path or None)
     return value
+
+
+def plainly_usable(text):
+    """True when JSON text decoded from UTF-8 bytes cannot hold what unusable_text() looks for:
+    U+0000 and lone surrogates need a \\u escape there (raw, they are not valid JSON or UTF-8),
+    and nesting needs brackets. Most requests and batch lines pass, and skip the walk."""
+    return "\\u" not in text and text.count("[") + text.count("{") <= MAX_JSON_DEPTH
 
 
 def unusable_text(value):
@@ -551,12 +559,18 @@ def _check_consistency(request, param_prefix):
         )
 
 
+@functools.cache
+def _field_names(schema):
+    # Read once: pydantic's `model_fields` goes through a slow descriptor on every access.
+    return frozenset(schema.model_fields)
+
+
 def _unused_fields(schema, data, prefix):
     """Paths of the keys `schema` does not use, in request order."""
     unused = []
     nested = schema.nested_schemas()
     for key, value in data.items():
-        if key not in schema.model_fields:
+        if key not in _field_names(schema):
             unused.append((*prefix, key))
             continue
         child = nested.get(key)

@@ -36,15 +36,14 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "millm_site.middleware.RequestIdMiddleware",
     "millm_site.middleware.ApiErrorMiddleware",
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    # Security, session, common, CSRF, auth and messages: for /admin/ only (the API uses none).
+    "millm_site.middleware.AdminMiddleware",
     "millm_site.middleware.ApiKeyMiddleware",
     "millm_site.middleware.UrlGuardMiddleware",
 ]
+
+# The admin's checks look for its middleware in MIDDLEWARE; AdminMiddleware runs them for it.
+SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
 
 ROOT_URLCONF = "millm_site.urls"
 ASGI_APPLICATION = "millm_site.asgi.application"
@@ -69,11 +68,20 @@ TEMPLATES = [
 # compare-and-set, none of which another database gives the same way.
 DATABASE_URL = envstr("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/millm")
 try:
-    _database = dj_database_url.parse(DATABASE_URL, conn_max_age=60, conn_health_checks=True)
+    _database = dj_database_url.parse(DATABASE_URL, conn_health_checks=True)  # pooled ones are checked when lent
 except ValueError as error:
     raise ImproperlyConfigured(f"DATABASE_URL is not a database URL: {error}") from None
 if _database["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured(f"DATABASE_URL must be a PostgreSQL URL, got {DATABASE_URL!r}")
+# A connection pool (psycopg_pool): under ASGI every request runs its sync code on a thread of
+# its own, so persistent per-thread connections would mean a new PostgreSQL backend per request
+# (about 5 ms, bench/FINDINGS.md). Django checks a pooled connection before lending it, so a
+# PostgreSQL restart costs a reconnect, not a failed request.
+_database.setdefault("OPTIONS", {})["pool"] = {
+    "min_size": envint("DATABASE_POOL_MIN", 1, minimum=0),
+    "max_size": envint("DATABASE_POOL_MAX", 10, minimum=1),
+    "timeout": 10,
+}
 DATABASES = {"default": _database}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
