@@ -1,9 +1,10 @@
 """Batches and their rows. PostgreSQL is the truth: every transition is a compare-and-set, and a
 chunk's results and the batch's counts are written in one transaction fenced by the claim token."""
 
+import json
 import uuid
 
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -230,30 +231,26 @@ class Batch(models.Model):
         """Write a chunk's results and the batch's counts in one transaction, fenced.
 
         `results`: [(row, outcome, response, error, request_id, packed, headers, usage)].
-        A row is written only while it is still pending, so a recorded row is never written again.
+        One UPDATE writes every row, and only rows still pending: a recorded row is never written
+        again (if one was, the whole chunk is refused and rolled back).
         """
         with transaction.atomic():
             self.fenced()
-            completed = failed = input_tokens = output_tokens = 0
             now = timezone.now()
-            for row, outcome, response, error, request_id, packed, headers, usage in results:
-                written = BatchRow.objects.filter(pk=row.pk, outcome=BatchRow.Outcome.PENDING).update(
-                    outcome=outcome, response=response, error=error, request_id=request_id,
-                    packed=packed, headers=headers, chunk=chunk, recorded_at=now,
-                )
-                if written != 1:
-                    raise FencedOut(f"row {row.line} of {self.pk} was already recorded")
-                if outcome == BatchRow.Outcome.SUCCEEDED:
-                    completed += 1
-                    input_tokens += usage.get("prompt_tokens", 0)
-                    output_tokens += usage.get("completion_tokens", 0)
-                else:
-                    failed += 1
+            written = BatchRow.objects.record(
+                [(row.pk, outcome, response, error, request_id, packed, headers)
+                 for row, outcome, response, error, request_id, packed, headers, _ in results],
+                chunk, now,
+            )
+            if written != {row.pk for row, *_ in results}:
+                line = min(row.line for row, *_ in results if row.pk not in written)
+                raise FencedOut(f"row {line} of {self.pk} was already recorded")
+            succeeded = [usage for _, outcome, *_, usage in results if outcome == BatchRow.Outcome.SUCCEEDED]
             Batch.objects.filter(pk=self.pk).update(
-                completed=F("completed") + completed,
-                failed=F("failed") + failed,
-                input_tokens=F("input_tokens") + input_tokens,
-                output_tokens=F("output_tokens") + output_tokens,
+                completed=F("completed") + len(succeeded),
+                failed=F("failed") + len(results) - len(succeeded),
+                input_tokens=F("input_tokens") + sum(usage.get("prompt_tokens", 0) for usage in succeeded),
+                output_tokens=F("output_tokens") + sum(usage.get("completion_tokens", 0) for usage in succeeded),
                 waiting_reason=None,
             )
         self.refresh_from_db(fields=["completed", "failed", "input_tokens", "output_tokens", "waiting_reason", "status"])
@@ -262,6 +259,31 @@ class Batch(models.Model):
 class BatchRowQuerySet(models.QuerySet):
     def unrecorded(self):
         return self.filter(outcome=BatchRow.Outcome.PENDING).order_by("line")
+
+    def record(self, results, chunk, recorded_at):
+        """One UPDATE for a chunk's rows, each written only while still pending; returns the ids
+        it wrote. `results`: [(id, outcome, response, error, request_id, packed, headers)]."""
+        if not results:
+            return set()
+        table = BatchRow._meta.db_table
+        values = ", ".join(["(%s::bigint, %s, %s::jsonb, %s::jsonb, %s, %s::boolean, %s::jsonb)"] * len(results))
+        params = []
+        for pk, outcome, response, error, request_id, packed, headers in results:
+            params += [pk, outcome, _jsonb(response), _jsonb(error), request_id, packed, _jsonb(headers)]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} AS r SET outcome = v.outcome, response = v.response, error = v.error, "
+                f"request_id = v.request_id, packed = v.packed, headers = v.headers, chunk = %s, recorded_at = %s "
+                f"FROM (VALUES {values}) AS v(id, outcome, response, error, request_id, packed, headers) "
+                f"WHERE r.id = v.id AND r.outcome = %s RETURNING r.id",
+                [chunk, recorded_at, *params, BatchRow.Outcome.PENDING],
+            )
+            return {row[0] for row in cursor.fetchall()}
+
+
+def _jsonb(value):
+    """A JSONField value as the UPDATE's parameter: None is SQL NULL, as Django stores it."""
+    return None if value is None else json.dumps(value)
 
 
 class BatchRow(models.Model):

@@ -267,15 +267,19 @@ class BatchRunner:
         return True
 
     def _next_chunk(self, batch):
-        if self._one_per_chunk(batch):
+        """The rows the next chunk runs, in one query: probe-score and generation rows one at a
+        time; scoring and embedding rows BATCH_CHUNK_ROWS at a time, or packs when packing."""
+        if batch.endpoint == PROBE_SCORE:
             return list(batch.rows.unrecorded()[:1])
-        if not (batch.pack and batch.endpoint in PACKABLE_ENDPOINTS):
-            return list(batch.rows.unrecorded()[: settings.BATCH_CHUNK_ROWS])
-        if not batch.pack_window:
-            return list(batch.rows.unrecorded()[: settings.BATCH_PACK_MAX_ROWS])
+        packed = batch.pack and batch.endpoint in PACKABLE_ENDPOINTS
+        size = (batch.pack_window or settings.BATCH_PACK_MAX_ROWS) if packed else settings.BATCH_CHUNK_ROWS
+        window = list(batch.rows.unrecorded()[:size])
+        if window and batch.endpoint in GENERATION_ENDPOINTS and not _is_scoring(window[0].body):
+            return window[:1]
+        if not (packed and batch.pack_window):
+            return window
         # Length-aware: of the next `pack_window` rows, the ones of most similar length go
         # together; each row is still recorded on its own line, so the output stays in order.
-        window = list(batch.rows.unrecorded()[: batch.pack_window])
         for row in window:
             if row.pk not in self.lengths:
                 self.lengths[row.pk] = self._length(batch.endpoint, row.body)
@@ -289,17 +293,6 @@ class BatchRunner:
             return packing.sequence_length(self.worker.runtime, parse_request(endpoint, body, strict=True))
         except ApiError:
             return 0
-
-    @staticmethod
-    def _one_per_chunk(batch):
-        """Generation and probe-score rows run one per chunk; scoring and embeddings in eights."""
-        if batch.endpoint == PROBE_SCORE:
-            return True
-        if batch.endpoint in GENERATION_ENDPOINTS:
-            first = batch.rows.unrecorded().values_list("body", flat=True).first() or {}
-            scoring = first.get("logprobs") not in (None, False) or first.get("allowed_token_ids") is not None
-            return not scoring
-        return False
 
     async def _run_chunk(self, batch, rows):
         worker = self.worker
@@ -386,6 +379,12 @@ class BatchRunner:
         if backlog != self.last_backlog:
             Engine.objects.filter(pk=self.worker.engine_id).update(batch_backlog_rows=backlog)
             self.last_backlog = backlog
+
+
+def _is_scoring(body):
+    """A chat or completion row in scoring mode (it runs in chunks; generation runs alone)."""
+    body = body or {}
+    return body.get("logprobs") not in (None, False) or body.get("allowed_token_ids") is not None
 
 
 def execute_rows(runtime, endpoint, rows, probes=None, pack=False):

@@ -21,6 +21,7 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "roundtrip", "packing", "memory"]
+RUN_ORDER = ["pipeline", "interactive", "overhead", "roundtrip", "memory", "packing"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny).
 STACK_MODEL = {"pipeline": "default", "interactive": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
 CHART = ROOT / "docs" / "bench" / "packing.png"
@@ -66,19 +67,27 @@ def main(argv=None):
     tiny = str(tiny_model())
     started = time.monotonic()
     results = {}
+    # Parts run grouped by the stack they use, each stack stopped once its last part is done, so
+    # no idle engine runs beside a later part (packing, in this process, runs last, alone).
+    ordered = sorted(parts, key=lambda part: RUN_ORDER.index(part))
+    model_of = {part: (tiny if args.quick or STACK_MODEL[part] == "tiny" else None) for part in ordered if part in STACK_MODEL}
     with contextlib.ExitStack() as stacks:
-        shared = {}  # one stack per model, shared by the parts that run on it
-        for part in parts:
+        shared = {}  # model -> (its stack, the ExitStack that stops it)
+        for index, part in enumerate(ordered):
             module = importlib.import_module(f"bench.{part}")
             part_started = time.monotonic()
             kwargs = {}
-            if part in STACK_MODEL:
-                model = tiny if args.quick or STACK_MODEL[part] == "tiny" else None
+            if part in model_of:
+                model = model_of[part]
                 if model not in shared:
-                    shared[model] = stacks.enter_context(stack(model))
-                kwargs["running"] = shared[model]
+                    own = stacks.enter_context(contextlib.ExitStack())
+                    shared[model] = (own.enter_context(stack(model)), own)
+                kwargs["running"] = shared[model][0]
             results[part] = module.main(sizes(part, args.quick, tiny), **kwargs)
             results[part]["seconds"] = round(time.monotonic() - part_started, 1)
+            if part in model_of and model_of[part] not in [model_of.get(later) for later in ordered[index + 1:]]:
+                shared[model_of[part]][1].close()
+    results = {part: results[part] for part in PARTS if part in results}
     summary = {
         "date": datetime.date.today().isoformat(),
         "machine": describe_machine(),
@@ -123,6 +132,10 @@ def render(summary):
         for item in figures.get("checks", []):
             verdict = "met" if item["met"] else "**missed**"
             lines.append(f"| {part} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
+    lines += ["", "| part | sizes and the figures behind the ratios |", "|---|---|"]
+    for part, figures in summary["parts"].items():
+        detail = "; ".join(f"{label}: {value}" for label, value in figures.get("rows", []))
+        lines.append(f"| {part} ({figures.get('seconds', '?')} s) | {detail.replace('|', '/')} |")
     return "\n".join(lines)
 
 

@@ -162,6 +162,12 @@ class Worker:
         ModelEntry.objects.filter(state__in=["resident", "loading", "unloading"]).exclude(id__in=list(serving)).update(
             state=ModelEntry.State.AVAILABLE
         )
+        # We hold the model's lock, so another row active for this model is a dead process (or one
+        # that lost the lock and is stopping): it serves nothing from now on, whatever its last
+        # heartbeat says, and requests are not routed to it while it goes stale.
+        Engine.objects.filter(model_id=self.source.model_id, role=Engine.Role.ACTIVE).exclude(pk=self.engine_id).update(
+            role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
+        )
         self.role = Engine.Role.ACTIVE
         Engine.objects.filter(pk=self.engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
 

@@ -196,7 +196,8 @@ def test_load_and_unload_send_model_events_to_socketio_clients(home):
         for name in ("model:load:progress", "model:load:complete", "model:load:error", "model:unload:complete"):
             client.on(name, lambda data, name=name: seen.append((name, data)))
         await client.connect(home.web.url, transports=["websocket"])
-        assert (await asyncio.to_thread(api, home, "POST", f"/api/models/{OTHER}/load")).status_code == 202
+        answer = await asyncio.to_thread(api, home, "POST", f"/api/models/{OTHER}/load")
+        assert answer.status_code == 202, answer.text
         for _ in range(300):
             if any(name == "model:load:complete" for name, _ in seen):
                 break
