@@ -134,7 +134,7 @@ def render(summary):
             lines.append(f"| {part} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
     lines += ["", "| part | sizes and the figures behind the ratios |", "|---|---|"]
     for part, figures in summary["parts"].items():
-        detail = "; ".join(f"{label}: {value}" for label, value in figures.get("rows", []))
+        detail = "; ".join(f"{label}: {value}" for label, value in figures.get("report", []))
         lines.append(f"| {part} ({figures.get('seconds', '?')} s) | {detail.replace('|', '/')} |")
     return "\n".join(lines)
 

@@ -130,7 +130,7 @@ def machine():
 
 def report(name, rows, figures, checks=()):
     """Print a table (each goal beside its figure) and write bench/results/<name>.json."""
-    figures = {**figures, "checks": list(checks), "rows": [list(row) for row in rows]}
+    figures = {**figures, "checks": list(checks), "report": [list(row) for row in rows]}
     rows = list(rows) + [(c["figure"], f"{c['value']}   goal {c['goal']}: {'met' if c['met'] else 'MISSED'}") for c in checks]
     width = max(len(label) for label, _ in rows)
     print(f"\n{name}")
