@@ -40,7 +40,7 @@ def main(argv=None, running=None):
 
     import httpx
 
-    from tests.e2e.stack import PYTHON, Process, free_port, wait_until
+    from tests.e2e.stack import PYTHON, Process, answers, free_port, wait_until
 
     def upload_growth(url, pid, path):
         with httpx.Client(base_url=url, timeout=600) as client:
@@ -61,7 +61,7 @@ def main(argv=None, running=None):
                                     "millm_site.asgi:application"], running.env, running.work_dir)
         running.processes.append(daphne)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _answers(httpx, url), 60, "daphne did not start", daphne)
+        wait_until(lambda: answers(url + "/api/health"), 60, "daphne did not start", daphne)
         daphne_idle, daphne_growth = upload_growth(url, daphne.popen.pid, Path(folder) / "big.jsonl")
         daphne.stop()
 
@@ -90,13 +90,6 @@ def main(argv=None, running=None):
         check("web (uvicorn) growth during the upload", f"{uvicorn_growth:.1f} MB", f"< {GOAL_MB} MB", uvicorn_growth < GOAL_MB),
         check("engine growth during the batch", f"{engine_growth:.1f} MB", f"< {GOAL_MB} MB", engine_growth < GOAL_MB),
     ])
-
-
-def _answers(httpx, url):
-    try:
-        return httpx.get(url + "/api/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 if __name__ == "__main__":

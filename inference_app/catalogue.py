@@ -98,7 +98,7 @@ def _check_requestable(entry, resident):
             f"The checkpoint '{entry.pk}' is not resident, and a request never loads a checkpoint. "
             f"Load it with POST /api/models/{entry.pk}/load, or send a model /v1/models lists.",
         )
-    renamed = resident and ModelEntry.objects.filter(pk__in=resident, base=entry).values_list("id", flat=True).first()
+    renamed = renamed_models(resident).get(entry.pk)
     if renamed:
         raise model_not_found(
             entry.pk,
@@ -108,14 +108,21 @@ def _check_requestable(entry, resident):
         )
 
 
+def renamed_models(resident):
+    """{catalogue id: the resident checkpoint id its weights now answer under}, for catalogue
+    models that are not resident themselves. `resident`: the ids live active engines serve."""
+    if not resident:
+        return {}
+    pairs = ModelEntry.objects.filter(pk__in=resident, kind=ModelEntry.Kind.CHECKPOINT).values_list("base_id", "id")
+    return {base: checkpoint for base, checkpoint in pairs if base not in resident}
+
+
 def requestable():
     """What /v1/models lists: the catalogue models a request can name, and resident checkpoints."""
     resident = set(
         Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
     )
-    renamed = set(
-        ModelEntry.objects.filter(pk__in=resident, kind=ModelEntry.Kind.CHECKPOINT).values_list("base_id", flat=True)
-    ) - resident
+    renamed = renamed_models(resident)
     return [
         entry for entry in ModelEntry.objects.order_by("-created_at", "-id")
         if (entry.pk in resident if entry.kind == ModelEntry.Kind.CHECKPOINT else entry.pk not in renamed)

@@ -80,21 +80,24 @@ class ModelEntry(models.Model):
         """The catalogue model whose weights this entry's are (itself, or a checkpoint's base)."""
         return self.base if self.base_id else self
 
-    def new_checkpoint(self, path, revision):
-        """A checkpoint entry `<base id>:ckpt-<n>` for weights saved from this entry (a save of a
-        checkpoint's weights is a checkpoint of the same base)."""
+    def new_checkpoint(self, path_of, revision):
+        """A resident checkpoint entry `<base id>:ckpt-<n>` for weights saved from this entry (a
+        save of a checkpoint's weights is a checkpoint of the same base). `path_of(id)`: where
+        its tensors will be."""
         root = self.root
         prefix = f"{root.id}:ckpt-"
         numbers = [int(tail) for tail in
                    (name.removeprefix(prefix) for name in ModelEntry.objects.filter(base=root).values_list("id", flat=True))
                    if tail.isdigit()]
+        model_id = f"{prefix}{max(numbers, default=0) + 1}"
         return ModelEntry.objects.create(
-            id=f"{prefix}{max(numbers, default=0) + 1}",
+            id=model_id,
             kind=ModelEntry.Kind.CHECKPOINT,
             base=root,
-            source=str(path),
+            source=str(path_of(model_id)),
             source_format=ModelEntry.Format.CHECKPOINT,
             revision=revision,
+            state=ModelEntry.State.RESIDENT,
             dtype=self.dtype,
             quantization=root.quantization,
             context_length=self.context_length,

@@ -84,7 +84,7 @@ def _gguf_cache(source):
     if marker.exists():
         return folder, json.loads(marker.read_text())["revision"]
     log.info("converting %s (first start; later starts read the cache %s)", source.path, folder)
-    revision = _file_digest(source.path)[:12]
+    revision = file_digest(source.path)[:12]
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
@@ -111,7 +111,7 @@ def _gguf_cache(source):
     return folder, json.loads(marker.read_text())["revision"]
 
 
-def _file_digest(path):
+def file_digest(path):
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

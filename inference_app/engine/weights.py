@@ -5,14 +5,14 @@ No database here: the Worker decides when (under the admission slot, honouring t
 records the state; these functions only touch tensors and files.
 """
 
-import hashlib
-import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
+from inference_app.engine.loader import file_digest
 from inference_app.errors import ApiError
 
 CHECKPOINT_FILE = "model.safetensors"
@@ -35,9 +35,8 @@ def read_tensors(data):
     return tensors
 
 
-def mismatches(model, tensors):
-    """Every name the model does not have and every shape that differs, each named."""
-    own = model.state_dict()
+def mismatches(own, tensors):
+    """Every name the model's state dict `own` lacks and every shape that differs, each named."""
     found = []
     for name, tensor in tensors.items():
         if name not in own:
@@ -51,8 +50,8 @@ def mismatches(model, tensors):
     return found
 
 
-def check(model, tensors):
-    found = mismatches(model, tensors)
+def check(own, tensors):
+    found = mismatches(own, tensors)
     if found:
         named = "; ".join(
             f"'{m['name']}': no such tensor" if m["expected"] is None
@@ -69,8 +68,8 @@ def check(model, tensors):
 def write(model, tensors):
     """Overwrite the named tensors in place (cast to the model's dtype and device); all are
     checked before any is written, so a refused body changes nothing."""
-    check(model, tensors)
     own = model.state_dict()
+    check(own, tensors)
     for name, tensor in tensors.items():
         own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
     return sorted(tensors)
@@ -81,21 +80,20 @@ def checkpoint_folder(data_dir, model_id):
     return Path(data_dir) / "checkpoints" / safe
 
 
-def save(model, folder):
-    """Write every tensor to `folder`/model.safetensors (whole, through a rename) and return
-    (its path, a short digest that is the checkpoint's revision)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / CHECKPOINT_FILE
-    handle, staging = tempfile.mkstemp(prefix=".staging-", suffix=".safetensors", dir=folder)
-    os.close(handle)
+def stage(model, data_dir):
+    """Write every tensor to a staging folder under `data_dir`/checkpoints (renamed into place
+    once the checkpoint has its id, so no half file is ever at a checkpoint's path); returns
+    (the staging folder, a short digest that is the checkpoint's revision)."""
+    root = Path(data_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     try:
         # save_model drops the duplicate names of tied tensors, which save_file refuses.
-        safetensors.torch.save_model(model, staging)
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    return path, _digest(path)[:12]
+        safetensors.torch.save_model(model, str(folder / CHECKPOINT_FILE))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder, file_digest(folder / CHECKPOINT_FILE)[:12]
 
 
 @torch.no_grad()
@@ -111,10 +109,3 @@ def apply_checkpoint(model, path):
 def _device_of(model):
     return next(model.parameters()).device
 
-
-def _digest(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

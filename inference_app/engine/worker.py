@@ -15,6 +15,7 @@ import gc
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -564,18 +565,28 @@ class Worker:
         """Write the resident weights as a new checkpoint, which the resident model becomes: the
         id it had stops resolving to them (SPEC 5). Leases on it follow the weights."""
         previous = ModelEntry.objects.get(pk=runtime.model_id)
-        for attempt in range(3):
-            try:
-                with transaction.atomic():
-                    checkpoint = previous.new_checkpoint(path="", revision=None)
-                    folder = weights.checkpoint_folder(settings.MILLM_DATA_DIR, checkpoint.pk)
-                    path, revision = weights.save(runtime.model, folder)
-                    checkpoint.source, checkpoint.revision, checkpoint.state = str(path), revision, ModelEntry.State.RESIDENT
-                    checkpoint.save(update_fields=["source", "revision", "state"])
-                break
-            except IntegrityError:
-                if attempt == 2:
-                    raise  # another engine saved checkpoints of the same base three times meanwhile
+        # The tensors are written first, outside any transaction; the entry and the rename of
+        # the staged folder to its id's folder are one short transaction.
+        staged, revision = weights.stage(runtime.model, settings.MILLM_DATA_DIR)
+
+        def path_of(model_id):
+            return weights.checkpoint_folder(settings.MILLM_DATA_DIR, model_id) / weights.CHECKPOINT_FILE
+
+        try:
+            for attempt in range(3):
+                try:
+                    with transaction.atomic():
+                        checkpoint = previous.new_checkpoint(path_of, revision)
+                        path = Path(checkpoint.source)
+                        # The id is ours now: a folder already there is a crash's leftover.
+                        shutil.rmtree(path.parent, ignore_errors=True)
+                        os.rename(staged, path.parent)
+                    break
+                except IntegrityError:
+                    if attempt == 2:
+                        raise  # another engine saved checkpoints of the same base three times meanwhile
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)  # gone already, unless the entry was not made
         runtime.rename(checkpoint.pk, revision)
         Lease.objects.live().filter(model_id=previous.pk).update(model_id=checkpoint.pk)
         Engine.objects.filter(pk=self.engine_id).update(resident_model_id=checkpoint.pk)

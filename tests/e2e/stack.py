@@ -145,7 +145,7 @@ class Stack:
         process = Process("web", args, env, self.work_dir)
         process.url = f"http://127.0.0.1:{port}"
         self.processes.append(process)
-        wait_until(lambda: _answers(process.url + "/api/health"), 60, f"web did not start:\n{process.log()}", process)
+        wait_until(lambda: answers(process.url + "/api/health"), 60, f"web did not start:\n{process.log()}", process)
         return process
 
     def wait_for_model(self, web, model_id, timeout=120, engine=None):
@@ -169,7 +169,7 @@ class Stack:
         self.drop_database()
 
 
-def _answers(url):
+def answers(url):
     try:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:

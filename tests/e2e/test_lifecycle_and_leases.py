@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import MODEL_ID, make_client
+from tests.e2e.model_helpers import api, resident, wait_resident
 from tests.e2e.stack import Stack, wait_until
 
 OTHER = "tiny-two"
@@ -20,19 +21,6 @@ def life(tmp_path_factory, test_model_dir):
         registered = httpx.post(stack.web.url + "/api/models", json={"source": str(test_model_dir), "id": OTHER})
         assert registered.status_code == 201, registered.text
         yield stack
-
-
-def api(stack, method, path, lease=None, **kwargs):
-    headers = {"X-miLLM-Lease": lease} if lease else {}
-    return httpx.request(method, stack.web.url + path, headers=headers, timeout=60, **kwargs)
-
-
-def resident(stack):
-    return httpx.get(stack.web.url + "/api/health/detailed").json()["model_name"]
-
-
-def wait_resident(stack, model_id):
-    wait_until(lambda: resident(stack) == model_id, 60, f"{model_id} did not become resident", stack.engine)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 
 from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
+from tests.e2e.model_helpers import api, resident, wait_resident
 from tests.e2e.stack import Stack, wait_until
 
 COMPLETIONS = "/v1/completions"
@@ -27,15 +28,6 @@ def lab(tmp_path_factory, test_model_dir):
         yield stack
 
 
-def api(stack, method, path, lease=None, **kwargs):
-    headers = {"X-miLLM-Lease": lease} if lease else {}
-    return httpx.request(method, stack.web.url + path, headers=headers, timeout=60, **kwargs)
-
-
-def resident(stack):
-    return httpx.get(stack.web.url + "/api/health/detailed").json()["model_name"]
-
-
 def engine_weights(stack):
     engines = [e for e in stack.engines(stack.web) if e["alive"] and e["role"] == "active"]
     return engines[0]["weights"]
@@ -44,7 +36,7 @@ def engine_weights(stack):
 def load(stack, model_id, lease=None):
     answer = api(stack, "POST", f"/api/models/{model_id}/load", lease=lease)
     assert answer.status_code == 202, answer.text
-    wait_until(lambda: resident(stack) == model_id, 60, f"{model_id} did not become resident", stack.engine)
+    wait_resident(stack, model_id)
 
 
 def score(stack, model_id):
