@@ -316,7 +316,7 @@ def test_a_lease_id_appears_in_the_grant_and_nowhere_else(secured, users):
                          "/admin/batches_app/batch/", f"/admin/batches_app/batch/{batch_id}/change/",
                          "/admin/inference_app/engine/", "/admin/inference_app/modelentry/"):
                 page = operator.get(path)
-                assert page.status_code == 200, path
+                assert page.status_code == 200, (path, page.headers.get("Location"))
                 seen.append((f"admin {path}", page))
         released = call("DELETE", f"/api/models/{MODEL_ID}/lease", headers=held)
         assert released.status_code == 200 and released.json()["data"]["released"] is True
