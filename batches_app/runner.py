@@ -105,8 +105,14 @@ class BatchRunner:
 
     def _validate_in_thread(self, batch, resident):
         try:
+            token = batch.claim_token
             outcome = validation.validate(batch, resident)
+            if outcome == Batch.Status.IN_PROGRESS:
+                events.publish(batch)  # the move to in_progress released our claim
+                return
             batch.refresh_from_db()
+            if batch.claim_token != token:
+                raise FencedOut(batch.pk)
             if outcome == Batch.Status.FAILED or batch.status == Batch.Status.CANCELLING:
                 assembly.assemble(batch)
             else:

@@ -12,6 +12,7 @@ from collections import Counter
 
 from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from batches_app.models import Batch, BatchRow
 from files_app.models import file_storage
@@ -177,13 +178,15 @@ def _validate_lines(batch, resident_model_id):
         return Batch.Status.FAILED if updated else None
     if batch.endpoint == PROBE_SCORE:
         model = resident_model_id
+    # In progress, and our claim released, in one fenced update: the validating engine (maybe
+    # of another model) never holds a batch whose rows are waiting to run.
     updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
-        model=model, waiting_reason=Batch.Waiting.QUEUED, **fields
+        model=model, waiting_reason=Batch.Waiting.QUEUED, status=Batch.Status.IN_PROGRESS,
+        in_progress_at=timezone.now(), claimed_by=None, claim_token=None, **fields
     )
     if not updated:
         return None
     batch.refresh_from_db()
-    batch._move([Batch.Status.VALIDATING], Batch.Status.IN_PROGRESS)
     return Batch.Status.IN_PROGRESS
 
 

@@ -130,6 +130,7 @@ class Forwarded:
         }
         self.reply = None
         self.finished = False
+        self._receiving = None  # the one receive on the reply channel, kept across liveness checks
 
     async def send(self):
         self.reply = await self.layer.new_channel()
@@ -137,7 +138,12 @@ class Forwarded:
         await self.layer.send(self.engine.channel, self.message)
 
     async def next_message(self):
-        """The next message on the reply channel, or the 503/504 that replaces it."""
+        """The next message on the reply channel, or the 503/504 that replaces it.
+
+        Every ENGINE_STALE_S without a message the engine's heartbeat is checked. The receive
+        itself is never cancelled for that check: channels_redis drops a message that arrives
+        as its receive is cancelled, and the request would then wait for an answer already sent.
+        """
         while True:
             remaining = self.deadline - time.time()
             if remaining <= 0:
@@ -147,16 +153,25 @@ class Forwarded:
                     "request_timeout",
                     f"The engine did not answer within {settings.MILLM_REQUEST_TIMEOUT_S:g} s (MILLM_REQUEST_TIMEOUT_S)",
                 )
-            try:
-                async with asyncio.timeout(min(remaining, settings.ENGINE_STALE_S)):
-                    return await self.layer.receive(self.reply)
-            except TimeoutError:
-                if not await _engine_alive(self.engine.id):
-                    self.finished = True
-                    raise engine_unavailable(self.engine.resident_model_id or self.engine.model_id) from None
+            if self._receiving is None:
+                self._receiving = asyncio.ensure_future(self.layer.receive(self.reply))
+            done, _ = await asyncio.wait({self._receiving}, timeout=min(remaining, settings.ENGINE_STALE_S))
+            if done:
+                receiving, self._receiving = self._receiving, None
+                return receiving.result()
+            if not await _engine_alive(self.engine.id):
+                self.finished = True
+                self._stop_receiving()
+                raise engine_unavailable(self.engine.resident_model_id or self.engine.model_id)
+
+    def _stop_receiving(self):
+        if self._receiving is not None:
+            self._receiving.cancel()
+            self._receiving = None
 
     async def cancel(self):
         """Tell the engine the caller left, so it drops or stops the request."""
+        self._stop_receiving()
         if self.finished:
             return
         self.finished = True
@@ -213,9 +228,12 @@ async def control(engine, message_type, request_id, **fields):
     A load or unload is acknowledged once checked and runs on in the background; a weights
     operation answers when done."""
     forwarded = Forwarded(engine, None, None, None, request_id, stream=False, extra={"type": message_type, **fields})
-    await forwarded.send()
-    message = await forwarded.next_message()
-    forwarded.finished = True
+    try:
+        await forwarded.send()
+        message = await forwarded.next_message()
+    finally:
+        forwarded.finished = True
+        forwarded._stop_receiving()  # a caller that left: no receive stays behind
     if message["type"] == "error":
         raise ApiError.from_wire(message["error"])
     return message["body"]

@@ -4,8 +4,9 @@ process that was not killed found its way back by itself.
 
 PostgreSQL and Redis are private to the test (tests/e2e/faults.py), so that restarting them
 disturbs nothing else. The faults land at random moments while the batch runs (each when the
-batch passes a random share of its rows, plus a random part of a chunk), one after another:
-each waits until the batch moves again after the previous one. The seed is printed; set
+batch passes a random share of the rows left for it, plus a random part of a chunk), one after
+another: each waits until the batch moves again after the previous one (or ends completed, when
+a fault lands while it finalizes). The seed is printed; set
 CHAOS_SEED to replay a run.
 
 CI runs the short version (300 rows, two engine kills); the full one (2,000 rows, five engine
@@ -76,6 +77,29 @@ def completed_now(stack, batch_id):
         return None
 
 
+def moved_since(stack, batch_id, at):
+    """The batch recorded a row after the fault, or ended completed: a fault can land after the
+    last row was recorded (while the batch finalizes), and then finishing is the recovery."""
+    try:
+        status, completed = progress(stack, batch_id)[:2]
+    except Exception:  # PostgreSQL may be restarting
+        return False
+    return completed > at or status == "completed"
+
+
+def stuck_state(stack, batch_id):
+    """What the database says when a batch does not move: for the failure message."""
+    try:
+        return "\n".join([
+            f"batch: {stack.sql('SELECT status, completed, failed, claimed_by, waiting_reason, lease_id, end_status FROM batches_app_batch WHERE id = %s', [batch_id])}",
+            f"engines: {stack.sql('SELECT id, role, model_id, resident_model_id, heartbeat_at, now() FROM inference_app_engine')}",
+            f"leases: {stack.sql('SELECT holder, model_id, engine_id, ended_at, expires_at FROM inference_app_lease')}",
+            f"locks: {stack.sql('SELECT pid, state, wait_event_type, query FROM pg_stat_activity WHERE datname = current_database()')}",
+        ])
+    except Exception as error:
+        return f"(the database could not be read: {error})"
+
+
 def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
     seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
@@ -91,18 +115,24 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
 
             faults = ["engine"] * engine_kills + ["web", "postgres", "redis"]
             rng.shuffle(faults)
-            thresholds = sorted(int(rng.uniform(0.05, 0.85) * rows) for _ in faults)
             traffic = Traffic(webs)
             traffic.start()
             before_faults, timeline, killed_webs = {}, [], set()
             try:
-                for fault, threshold in zip(faults, thresholds):
+                for turn, fault in enumerate(faults):
+                    # Each fault lands a random share into the rows left for it: the batch goes on
+                    # running while the test waits out a recovery, and a fault drawn against the
+                    # whole file would often land after the last row.
+                    now = completed_now(stack, batch.id) or 0
+                    room = max(0, int(0.9 * rows) - now) / (len(faults) - turn)
+                    threshold = now + int(rng.uniform(0.1, 1.0) * room)
                     wait_until(lambda: (completed_now(stack, batch.id) or 0) >= threshold, RECOVERY_S,
                                f"the batch did not reach {threshold} rows before the {fault} fault", stack.engine)
                     time.sleep(rng.uniform(0, pause + 0.05))  # anywhere in a chunk: mid-forward, mid-pause, mid-record
                     snapshot = recorded(stack, batch.id)
                     before_faults.update(snapshot)
                     at = len(snapshot)
+                    status_then = (progress(stack, batch.id) or ["?"])[0]
                     fault_started = time.monotonic()
                     engine = stack.engine
                     if fault == "engine":
@@ -118,8 +148,13 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
                     else:
                         redis.restart(down_s=1.0)
                     # The batch moves again (with the same engine process, unless it was the one killed).
-                    wait_until(lambda: (completed_now(stack, batch.id) or 0) > at, RECOVERY_S,
-                               f"the batch did not move again after the {fault} fault", stack.engine)
+                    try:
+                        wait_until(lambda: moved_since(stack, batch.id, at), RECOVERY_S,
+                                   f"the batch did not move again after the {fault} fault", stack.engine)
+                    except AssertionError as stuck:
+                        raise AssertionError(f"{stuck}\n{stuck_state(stack, batch.id)}") from None
+                    if fault == "engine":  # and the new engine answers interactive requests
+                        wait_until(lambda: chat_ok(webs["a"]), RECOVERY_S, "the new engine does not answer", stack.engine)
                     if fault in ("postgres", "redis"):
                         assert stack.engine is engine and engine.alive, f"the engine died when {fault} restarted"
                         for web in webs.values():
@@ -128,7 +163,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
                         wait_until(lambda: "holds the lock of" in engine.log(), 10, "the engine did not retake its lock")
                     seconds = round(time.monotonic() - fault_started, 2)
                     timeline.append((fault, at, seconds))
-                    print(f"  {fault:8} at {at:5} recorded rows: the batch moved again after {seconds} s")
+                    print(f"  {fault:8} at {at:5} recorded rows ({status_then}): the batch moved again after {seconds} s")
 
                 done = wait_for(client, batch.id, timeout=180)
             finally:
