@@ -373,9 +373,10 @@ def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
     from playwright.sync_api import sync_playwright
 
     env = {**slow.env, "DJANGO_SUPERUSER_PASSWORD": "operator-pass-42"}
-    subprocess.run([sys.executable, "manage.py", "createsuperuser", "--noinput", "--username", "operator",
-                    "--email", "op@example.com"], cwd=Path(__file__).resolve().parents[2], env=env, check=False,
-                   capture_output=True)
+    made = subprocess.run([sys.executable, "manage.py", "createsuperuser", "--noinput", "--username", "operator",
+                           "--email", "op@example.com"], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True)
+    assert made.returncode == 0, f"createsuperuser failed:\n{made.stdout}\n{made.stderr}"
     batch = start_batch(slow.client, scoring_lines(400, "admin"), COMPLETIONS)  # long enough to cancel mid-run
     wait_for(slow.client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -390,7 +391,11 @@ def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
         page.fill("#id_username", "operator")
         page.fill("#id_password", "operator-pass-42")
         page.click("input[type=submit]")
-        page.wait_for_selector("#progress-bar")
+        try:
+            page.wait_for_selector("#progress-bar")
+        except Exception:  # say where the browser is and what it shows, not only that it timed out
+            page.screenshot(path=str(ARTIFACTS / "admin-batch-missing.png"), full_page=True)
+            raise AssertionError(f"no progress bar at {page.url}: {page.title()!r}\n{page.inner_text('body')[:1500]}") from None
         start = page.eval_on_selector("#progress-bar", "bar => bar.value")
         page.screenshot(path=str(ARTIFACTS / "admin-batch-running.png"), full_page=True)
         # No reload: the page's WebSocket moves the bar.
