@@ -130,7 +130,6 @@ class Forwarded:
         }
         self.reply = None
         self.finished = False
-        self._receiving = None  # the one receive on the reply channel, kept across liveness checks
 
     async def send(self):
         self.reply = await self.layer.new_channel()
@@ -144,34 +143,28 @@ class Forwarded:
         itself is never cancelled for that check: channels_redis drops a message that arrives
         as its receive is cancelled, and the request would then wait for an answer already sent.
         """
-        while True:
-            remaining = self.deadline - time.time()
-            if remaining <= 0:
-                await self.cancel()
-                raise ApiError(
-                    504,
-                    "request_timeout",
-                    f"The engine did not answer within {settings.MILLM_REQUEST_TIMEOUT_S:g} s (MILLM_REQUEST_TIMEOUT_S)",
-                )
-            if self._receiving is None:
-                self._receiving = asyncio.ensure_future(self.layer.receive(self.reply))
-            done, _ = await asyncio.wait({self._receiving}, timeout=min(remaining, settings.ENGINE_STALE_S))
-            if done:
-                receiving, self._receiving = self._receiving, None
-                return receiving.result()
-            if not await _engine_alive(self.engine.id):
-                self.finished = True
-                self._stop_receiving()
-                raise engine_unavailable(self.engine.resident_model_id or self.engine.model_id)
-
-    def _stop_receiving(self):
-        if self._receiving is not None:
-            self._receiving.cancel()
-            self._receiving = None
+        receiving = asyncio.ensure_future(self.layer.receive(self.reply))
+        try:
+            while True:
+                remaining = self.deadline - time.time()
+                if remaining <= 0:
+                    await self.cancel()
+                    raise ApiError(
+                        504,
+                        "request_timeout",
+                        f"The engine did not answer within {settings.MILLM_REQUEST_TIMEOUT_S:g} s (MILLM_REQUEST_TIMEOUT_S)",
+                    )
+                done, _ = await asyncio.wait({receiving}, timeout=min(remaining, settings.ENGINE_STALE_S))
+                if done:
+                    return receiving.result()
+                if not await _engine_alive(self.engine.id):
+                    self.finished = True
+                    raise engine_unavailable(self.engine.resident_model_id or self.engine.model_id)
+        finally:
+            receiving.cancel()  # a no-op once it returned; otherwise no receive stays behind
 
     async def cancel(self):
         """Tell the engine the caller left, so it drops or stops the request."""
-        self._stop_receiving()
         if self.finished:
             return
         self.finished = True
@@ -228,12 +221,9 @@ async def control(engine, message_type, request_id, **fields):
     A load or unload is acknowledged once checked and runs on in the background; a weights
     operation answers when done."""
     forwarded = Forwarded(engine, None, None, None, request_id, stream=False, extra={"type": message_type, **fields})
-    try:
-        await forwarded.send()
-        message = await forwarded.next_message()
-    finally:
-        forwarded.finished = True
-        forwarded._stop_receiving()  # a caller that left: no receive stays behind
+    await forwarded.send()
+    message = await forwarded.next_message()
+    forwarded.finished = True
     if message["type"] == "error":
         raise ApiError.from_wire(message["error"])
     return message["body"]

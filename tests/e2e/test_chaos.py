@@ -132,7 +132,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
                     snapshot = recorded(stack, batch.id)
                     before_faults.update(snapshot)
                     at = len(snapshot)
-                    status_then = (progress(stack, batch.id) or ["?"])[0]
+                    status_then = progress(stack, batch.id)[0]
                     fault_started = time.monotonic()
                     engine = stack.engine
                     if fault == "engine":
