@@ -1,4 +1,5 @@
 from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
 from django.core.paginator import Paginator
 from django.shortcuts import get_object_or_404, redirect
 from django.urls import path
@@ -22,7 +23,7 @@ class BatchAdmin(admin.ModelAdmin):
     rows_per_page = 50
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
-        batch = self.get_object(request, object_id)
+        batch = self.get_object(request, unquote(object_id))  # the admin quotes ids in URLs: "_40" is "@"
         extra_context = extra_context or {}
         if batch is not None:
             rows = Paginator(batch.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id"), self.rows_per_page)
@@ -38,7 +39,7 @@ class BatchAdmin(admin.ModelAdmin):
         return [cancel, *super().get_urls()]
 
     def cancel_view(self, request, object_id):
-        batch = get_object_or_404(Batch, pk=object_id)
+        batch = get_object_or_404(Batch, pk=unquote(object_id))
         if request.method == "POST":
             try:
                 batch.request_cancel()  # the very method POST /v1/batches/{id}/cancel calls
@@ -47,7 +48,7 @@ class BatchAdmin(admin.ModelAdmin):
                 self.message_user(request, f"Cancelling {batch.id}.")
             except ApiError as error:
                 self.message_user(request, error.message, messages.WARNING)
-        return redirect("admin:batches_app_batch_change", batch.pk)
+        return redirect("admin:batches_app_batch_change", quote(batch.pk))
 
     @admin.display(description="progress")
     def progress(self, batch):

@@ -19,6 +19,7 @@ import urllib.parse
 
 import httpx
 import pytest
+from django.contrib.admin.utils import quote
 from django.urls import URLPattern, URLResolver, get_resolver, resolve
 
 from tests.e2e.batch_helpers import FINISHED, line, to_jsonl
@@ -313,7 +314,7 @@ def test_a_lease_id_appears_in_the_grant_and_nowhere_else(secured, users):
         with admin_login(url, *STAFF) as operator:
             (lease_pk,) = secured.sql("SELECT id FROM inference_app_lease WHERE holder = 'alice'")[0]
             for path in ("/admin/", "/admin/inference_app/lease/", f"/admin/inference_app/lease/{lease_pk}/change/",
-                         "/admin/batches_app/batch/", f"/admin/batches_app/batch/{batch_id}/change/",
+                         "/admin/batches_app/batch/", f"/admin/batches_app/batch/{quote(batch_id)}/change/",
                          "/admin/inference_app/engine/", "/admin/inference_app/modelentry/"):
                 page = operator.get(path)
                 assert page.status_code == 200, (path, page.headers.get("Location"))
