@@ -36,7 +36,15 @@ def load_resident(model=None):
 def scoring_texts(resident, count, seed=7, shortest=10, longest=60):
     """Prompts of `shortest` to `longest` tokens (of the resident's tokenizer), in random order."""
     generator = random.Random(seed)
-    vocabulary = [word for word in resident.tokenizer.get_vocab() if word.isalpha() and len(word) > 2][:5000]
+    # Whole words, in token-id order: get_vocab()'s own order changes from process to process (and
+    # its entries carry the tokenizer's marks, "Ġword"), which drew a different file in every run.
+    vocabulary = []
+    for token_id in sorted(resident.tokenizer.get_vocab().values()):
+        word = resident.tokenizer.decode([token_id]).strip()
+        if word.isalpha() and word.isascii() and len(word) > 2:
+            vocabulary.append(word)
+        if len(vocabulary) == 5000:
+            break
 
     def text_of(tokens):
         words = []
