@@ -5,7 +5,8 @@ Two loops share the engine's event loop:
   the admission slot;
 - running: claims the oldest runnable batch of the resident model and runs it chunk by chunk,
   each chunk under the slot as a background holder (interactive requests go first at every
-  chunk boundary), each chunk recorded in one transaction fenced by the claim token.
+  chunk boundary, and a chunk of single rows ends at the next row once one waits), each chunk
+  recorded in one transaction fenced by the claim token.
 
 Rows run through the very service functions the synchronous routes call.
 """
@@ -310,7 +311,8 @@ class BatchRunner:
             if runtime is None or runtime.model_id != batch.model or worker.weights_torn:
                 return  # a swap or a weights edit took the slot first: the next check makes the batch wait
             results = await asyncio.get_running_loop().run_in_executor(
-                worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack
+                worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack,
+                lambda: worker.slot.interactive_queued > 0,
             )
         if settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S:
             await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
@@ -393,9 +395,13 @@ def _is_scoring(body):
     return body.get("logprobs") not in (None, False) or body.get("allowed_token_ids") is not None
 
 
-def execute_rows(runtime, endpoint, rows, probes=None, pack=False):
+def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None):
     """Runs in the model thread: each row through the synchronous route's service function, or,
-    with `pack`, scoring and embedding rows many to a forward pass."""
+    with `pack`, scoring and embedding rows many to a forward pass.
+
+    `give_way()` is asked before each single row after the first: when it says yes (a chat is
+    waiting), the chunk ends there and only the rows before it are returned, the rest left for the
+    next chunk. A chunk with packs runs whole (its packs are already computed)."""
     parsed, outcomes = {}, {}
     for row in rows:
         try:
@@ -410,9 +416,12 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False):
         except Exception:
             log.exception("a pack of %s failed; its rows run one at a time", rows[0].batch_id)
             packed = []
-    for row in rows:
+    for index, row in enumerate(rows):
         if row.pk in outcomes:
             continue
+        if index and not packed and give_way is not None and give_way():
+            rows = rows[:index]
+            break
         try:
             row_probes = None
             if probes is not None:

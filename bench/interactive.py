@@ -61,6 +61,7 @@ def main(argv=None, running=None):
         "idle_p50_s": percentile(idle, 0.5), "idle_p99_s": percentile(idle, 0.99),
         "busy_p50_s": percentile(busy, 0.5), "busy_p99_s": percentile(busy, 0.99),
         "batch_rows_per_s": rate, "chunk_s": chunk, "batch_ran_throughout": still_running,
+        "idle_s": [round(value, 3) for value in idle], "busy_s": [round(value, 3) for value in busy],
     }
     bound = figures["idle_p99_s"] + chunk
     return report("interactive", [

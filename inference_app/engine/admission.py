@@ -3,9 +3,12 @@
 Interactive requests wait in arrival order and count as pending; when waiting plus holding has
 reached MAX_PENDING_REQUESTS the next is refused with queue_full. A batch chunk takes the slot
 as a background holder: never pending, never refused, and never granted while an interactive
-request waits, so chat always goes first at a chunk boundary.
+request waits, so chat always goes first at a chunk boundary. The runner ends a chunk of single
+rows at the next row when an interactive request is queued (`interactive_queued`), so that
+boundary comes after one row, not a whole chunk.
 
-All methods run on the engine's event loop; none is thread-safe and none needs to be.
+All methods run on the engine's event loop; none is thread-safe and none needs to be (the model
+thread only reads the int `interactive_queued`).
 """
 
 import asyncio
@@ -36,6 +39,9 @@ class AdmissionSlot:
         self._interactive = deque()
         self._background = deque()
         self._hold_seconds = deque(maxlen=HOLD_SAMPLES)
+        # Interactive acquirers awaiting the slot, as a plain int so that the model thread may
+        # read it (the batch runner ends a chunk of single rows early when it is above 0).
+        self.interactive_queued = 0
 
     @property
     def waiting(self):
@@ -84,6 +90,7 @@ class AdmissionSlot:
         future = asyncio.get_running_loop().create_future()
         queue = self._interactive if interactive else self._background
         queue.append(future)
+        self.interactive_queued += interactive
         try:
             await future
         except asyncio.CancelledError:
@@ -93,6 +100,8 @@ class AdmissionSlot:
             else:
                 future.cancel()
             raise
+        finally:
+            self.interactive_queued -= interactive
 
     def _grant(self, interactive):
         self.holding += 1
