@@ -22,17 +22,16 @@ class BatchAdmin(admin.ModelAdmin):
     change_form_template = "admin/batches_app/batch/change_form.html"
     rows_per_page = 50
 
-    def change_view(self, request, object_id, form_url="", extra_context=None):
-        batch = self.get_object(request, unquote(object_id))  # the admin quotes ids in URLs: "_40" is "@"
-        extra_context = extra_context or {}
-        if batch is not None:
-            rows = Paginator(batch.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id"), self.rows_per_page)
-            extra_context.update(
+    def render_change_form(self, request, context, add=False, change=False, form_url="", obj=None):
+        """The batch page's progress, cancel button and rows, for the batch the admin looked up."""
+        if obj is not None:
+            rows = Paginator(obj.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id"), self.rows_per_page)
+            context.update(
                 rows=rows.get_page(request.GET.get("rows_page")),
-                done=batch.completed + batch.failed,
-                cancellable=batch.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
+                done=obj.completed + obj.failed,
+                cancellable=obj.status in (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
             )
-        return super().change_view(request, object_id, form_url, extra_context)
+        return super().render_change_form(request, context, add, change, form_url, obj)
 
     def get_urls(self):
         cancel = path("<path:object_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="batches_app_batch_cancel")

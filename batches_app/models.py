@@ -106,9 +106,12 @@ class Batch(models.Model):
 
     # --- transitions (compare-and-set; a count other than 1 means someone got there first) ---
 
-    def _move(self, expected, status, **fields):
+    def _move(self, expected, status, fenced_by=None, **fields):
+        """From one of `expected` to `status`, stamping its time; with `fenced_by`, only while
+        that claim token still holds the batch."""
         stamp = {f"{status}_at": timezone.now()} if f"{status}_at" in {f.name for f in self._meta.fields} else {}
-        updated = Batch.objects.filter(pk=self.pk, status__in=expected).update(status=status, **stamp, **fields)
+        fence = {} if fenced_by is None else {"claim_token": fenced_by}
+        updated = Batch.objects.filter(pk=self.pk, status__in=expected, **fence).update(status=status, **stamp, **fields)
         if updated == 1:
             self.refresh_from_db()
         return updated == 1

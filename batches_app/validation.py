@@ -12,7 +12,6 @@ from collections import Counter
 
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from batches_app.models import Batch, BatchRow
 from files_app.models import file_storage
@@ -180,14 +179,9 @@ def _validate_lines(batch, resident_model_id):
         model = resident_model_id
     # In progress, and our claim released, in one fenced update: the validating engine (maybe
     # of another model) never holds a batch whose rows are waiting to run.
-    updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
-        model=model, waiting_reason=Batch.Waiting.QUEUED, status=Batch.Status.IN_PROGRESS,
-        in_progress_at=timezone.now(), claimed_by=None, claim_token=None, **fields
-    )
-    if not updated:
-        return None
-    batch.refresh_from_db()
-    return Batch.Status.IN_PROGRESS
+    moved = batch._move([Batch.Status.VALIDATING], Batch.Status.IN_PROGRESS, fenced_by=batch.claim_token,
+                        model=model, waiting_reason=Batch.Waiting.QUEUED, claimed_by=None, claim_token=None, **fields)
+    return Batch.Status.IN_PROGRESS if moved else None
 
 
 def _insert_fenced(batch, rows):
