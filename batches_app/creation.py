@@ -16,7 +16,7 @@ from inference_app.models import Lease, new_id
 
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 OUTPUT_EXPIRY_RANGE = (3_600, 2_592_000)
-KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window"}
+KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window", "batched_decoding"}
 
 
 def refuse(message, param, code="invalid_batch_request", status=400):
@@ -49,12 +49,18 @@ def create_batch(body, lease_header=None, idempotency_key=None):
         pack_window = settings.BATCH_PACK_WINDOW_DEFAULT
     if isinstance(pack_window, bool) or not isinstance(pack_window, int) or not 0 <= pack_window <= settings.BATCH_PACK_WINDOW_MAX:
         raise refuse(f"pack_window must be a whole number from 0 to {settings.BATCH_PACK_WINDOW_MAX} (BATCH_PACK_WINDOW_MAX), got {pack_window!r}", "pack_window")
+    batched_decoding = body.get("batched_decoding", settings.BATCH_DECODING_DEFAULT)
+    if batched_decoding is None:
+        batched_decoding = settings.BATCH_DECODING_DEFAULT
+    if not isinstance(batched_decoding, bool):
+        raise refuse(f"batched_decoding must be true or false, got {batched_decoding!r}", "batched_decoding")
     lease = _caller_lease(lease_header)
     now = timezone.now()
     batch = Batch(
         id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],
         created_at=now, expires_at=now + timedelta(hours=window_hours), metadata=metadata,
         output_expires_after=output_expiry, pack=pack, pack_window=pack_window,
+        batched_decoding=batched_decoding,
         lease=lease, lease_mode="caller" if lease else None,
     )
     try:

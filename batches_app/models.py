@@ -73,6 +73,7 @@ class Batch(models.Model):
     errors = models.JSONField(null=True, blank=True)
     pack = models.BooleanField(default=False)
     pack_window = models.IntegerField(default=0)
+    batched_decoding = models.BooleanField(default=False)
     output_expires_after = models.IntegerField(null=True, blank=True)
     lease = models.ForeignKey(Lease, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     lease_mode = models.CharField(max_length=8, null=True, blank=True)  # own | caller
@@ -200,6 +201,7 @@ class Batch(models.Model):
             "millm": {
                 "pack": self.pack,
                 "pack_window": self.pack_window,
+                "batched_decoding": self.batched_decoding,
                 "waiting_reason": self.waiting_reason if self.status == self.Status.IN_PROGRESS else None,
                 "lease_mode": self.lease_mode,
                 "output_expires_after": self.output_expires_after,
@@ -269,15 +271,17 @@ class BatchRowQuerySet(models.QuerySet):
         if not results:
             return set()
         table = BatchRow._meta.db_table
-        values = ", ".join(["(%s::bigint, %s, %s::jsonb, %s::jsonb, %s, %s::boolean, %s::jsonb)"] * len(results))
+        values = ", ".join(["(%s::bigint, %s, %s::jsonb, %s::jsonb, %s, %s::boolean, %s::boolean, %s::jsonb)"] * len(results))
         params = []
         for pk, outcome, response, error, request_id, packed, headers in results:
-            params += [pk, outcome, _jsonb(response), _jsonb(error), request_id, packed, _jsonb(headers)]
+            # A row that shared its decode steps says so in its header (SPEC 8a) and its column.
+            batched = (headers or {}).get("X-miLLM-Backend") == "batched"
+            params += [pk, outcome, _jsonb(response), _jsonb(error), request_id, packed, batched, _jsonb(headers)]
         with connection.cursor() as cursor:
             cursor.execute(
                 f"UPDATE {table} AS r SET outcome = v.outcome, response = v.response, error = v.error, "
-                f"request_id = v.request_id, packed = v.packed, headers = v.headers, chunk = %s, recorded_at = %s "
-                f"FROM (VALUES {values}) AS v(id, outcome, response, error, request_id, packed, headers) "
+                f"request_id = v.request_id, packed = v.packed, batched = v.batched, headers = v.headers, chunk = %s, "
+                f"recorded_at = %s FROM (VALUES {values}) AS v(id, outcome, response, error, request_id, packed, batched, headers) "
                 f"WHERE r.id = v.id AND r.outcome = %s RETURNING r.id",
                 [chunk, recorded_at, *params, BatchRow.Outcome.PENDING],
             )
@@ -305,6 +309,7 @@ class BatchRow(models.Model):
     response = models.JSONField(null=True, blank=True)
     error = models.JSONField(null=True, blank=True)
     packed = models.BooleanField(default=False)
+    batched = models.BooleanField(default=False)  # its sequence shared decode steps with others
     headers = models.JSONField(null=True, blank=True)
     chunk = models.IntegerField(null=True, blank=True)
     recorded_at = models.DateTimeField(null=True, blank=True)
@@ -330,7 +335,7 @@ class BatchRow(models.Model):
         line_id = new_id("batch_req_")
         if self.outcome == self.Outcome.SUCCEEDED:
             response = {"status_code": 200, "request_id": self.request_id, "body": self.response,
-                        "millm": {"packed": self.packed, "headers": self.headers or {}}}
+                        "millm": {"packed": self.packed, "batched": self.batched, "headers": self.headers or {}}}
             return True, {"id": line_id, "custom_id": self.custom_id, "response": response, "error": None}
         if self.outcome == self.Outcome.FAILED:
             response = {"status_code": self.error["status"], "request_id": self.request_id, "body": self.response}

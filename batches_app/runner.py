@@ -24,6 +24,7 @@ from django.utils import timezone
 from batches_app import assembly, events, validation
 from batches_app.models import Batch, BatchRow, FencedOut
 from inference_app.engine import packing, services
+from inference_app.engine.seating import NOT_RUN
 from inference_app.errors import ApiError, internal_error
 from inference_app.models import Engine, Lease, new_id
 from inference_app.schemas import PROBE_SCORE, parse_request
@@ -75,6 +76,7 @@ class BatchRunner:
         self.last_backlog = None
         self.lengths = {}  # row id -> token length, for length-aware packing
         self.throttle = events.Throttle()
+        self.seated = {}  # row id -> the task running it in a seat (batched decoding)
         self.progress_log = {}  # batch id -> (started, rows done then, last logged)
         # Claims we could not release (the database was down): released at the next sweep, or
         # this live engine would hold them forever and the batch would never run again.
@@ -139,8 +141,10 @@ class BatchRunner:
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
             except FencedOut as fenced:
                 log.warning("fenced out of %s: another engine claimed it", fenced)
+                await self._abandon_seated()
             except Exception:
                 log.exception("the batch runner failed; the batch is released and retried")
+                await self._abandon_seated()
                 if batch is not None:
                     await sync_to_async(self._release_or_remember)(batch)
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
@@ -202,11 +206,18 @@ class BatchRunner:
                 swept = time.monotonic()
             verdict = await sync_to_async(self._before_chunk)(batch)
             if verdict == "assemble":
+                await self._abandon_seated()
                 await self._assemble(batch)
                 return "ended"
             if verdict in ("release", "wait"):
+                await self._abandon_seated()
                 await sync_to_async(self._release)(batch)
                 return "waiting" if verdict == "wait" else "released"
+            if self._decodes_batched(batch):
+                rows = await sync_to_async(self._next_seated_rows)(batch)
+                if rows or self.seated:
+                    await self._run_seated(batch, rows)
+                    continue
             rows = await sync_to_async(self._next_chunk)(batch)
             if not rows:
                 if await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING):
@@ -215,6 +226,7 @@ class BatchRunner:
                     return "ended"
                 continue  # cancelled meanwhile: the next check sees it
             await self._run_chunk(batch, rows)
+        await self._finish_seated(batch)
         await sync_to_async(self._release)(batch)
         return "stopped"
 
@@ -302,23 +314,76 @@ class BatchRunner:
             return 0
 
     async def _run_chunk(self, batch, rows):
-        worker = self.worker
+        seating = self.worker.seating
         probes = None
         if batch.endpoint == PROBE_SCORE:
             probes = await sync_to_async(self._probes_of)(rows)
-        async with worker.slot.hold(interactive=False):
-            runtime = worker.runtime
-            if runtime is None or runtime.model_id != batch.model or worker.weights_torn:
-                return  # a swap or a weights edit took the slot first: the next check makes the batch wait
-            results = await asyncio.get_running_loop().run_in_executor(
-                worker.executor, execute_rows, runtime, batch.endpoint, rows, probes, batch.pack,
-                lambda: worker.slot.interactive_queued > 0,
-            )
+        results = await seating.exclusive(
+            batch.model, execute_rows, batch.endpoint, rows, probes, batch.pack, seating.give_way
+        )
+        if results is NOT_RUN:
+            return  # a swap or a weights edit took the slot first: the next check makes the batch wait
+        await self._record(batch, results)
+
+    async def _record(self, batch, results):
         if settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S:
             await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
         self.chunks += 1
         await sync_to_async(batch.record_chunk)(results, self.chunks)
         await self.on_progress(batch)
+
+    # --- batched decoding: generation rows in seats of their own ---
+
+    def _decodes_batched(self, batch):
+        return batch.batched_decoding and self.worker.seating.batched and batch.endpoint in GENERATION_ENDPOINTS
+
+    def _next_seated_rows(self, batch):
+        """The next generation rows in file order that are not in flight, as many as there are
+        seats a batch may take (all but one); stops at a scoring row, which runs in a chunk of
+        its own once the rows in flight are done."""
+        room = max(1, self.worker.seating.seats - 1) - len(self.seated)
+        if room <= 0:
+            return []
+        rows = []
+        for row in batch.rows.unrecorded().exclude(pk__in=list(self.seated))[:room]:
+            if _is_scoring(row.body):
+                break
+            rows.append(row)
+        return rows
+
+    async def _run_seated(self, batch, rows):
+        """Start `rows`, each in a background seat; wait until one or more of the rows in flight
+        is done (or a second passes), and record those in one fenced transaction."""
+        seating = self.worker.seating
+        for row in rows:
+            self.seated[row.pk] = asyncio.create_task(
+                seating.seated(batch.model, execute_rows, batch.endpoint, [row])
+            )
+        done, _ = await asyncio.wait(set(self.seated.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        results = []
+        for pk, task in list(self.seated.items()):
+            if task in done:
+                del self.seated[pk]
+                outcome = task.result()  # a failure inside is a row's ApiError already; others propagate
+                if outcome is not NOT_RUN:
+                    results.extend(outcome)
+        if results:
+            await self._record(batch, results)
+
+    async def _finish_seated(self, batch):
+        """A stop: the rows in flight finish and are recorded; no new row starts."""
+        while self.seated:
+            await self._run_seated(batch, [])
+
+    async def _abandon_seated(self):
+        """The batch ends or must wait: rows in flight stop at their next step, unrecorded (a
+        row that was never recorded runs again from its start)."""
+        tasks = list(self.seated.values())
+        self.seated.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def _probes_of(self, rows):
         specs = {}

@@ -3,9 +3,10 @@ bench/results/, the README's results section and the packing chart (docs/bench/p
 
     python -m bench [PART ...] [--quick] [--no-readme]
 
-PART is any of pipeline, overhead, interactive, roundtrip, packing, memory (default: all, in that
-order). --quick runs each at a tiny size on the tiny test model (what the smoke test runs): the
-figures say nothing then, so --quick never rewrites the README.
+PART is any of pipeline, overhead, interactive, interactive-batched, roundtrip, packing, memory,
+generation, concurrency (default: all, in that order). --quick runs each at a tiny size on the
+tiny test model (what the smoke test runs): the figures say nothing then, so --quick never
+rewrites the README. concurrency's llama.cpp baseline needs the bench extra's xllamacpp.
 """
 
 import argparse
@@ -22,10 +23,18 @@ import time
 
 from bench.common import RESULTS, ROOT, machine
 
-PARTS = ["pipeline", "overhead", "interactive", "roundtrip", "packing", "memory"]
-RUN_ORDER = ["pipeline", "interactive", "overhead", "roundtrip", "memory", "packing"]
-# The model of each part's web and engine processes in the full run (--quick: all tiny).
-STACK_MODEL = {"pipeline": "default", "interactive": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
+PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
+         "concurrency"]
+RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "concurrency", "overhead", "roundtrip", "memory",
+             "packing"]
+# The model of each part's web and engine processes in the full run (--quick: all tiny). Not
+# concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
+# it runs after the default model's stack is stopped and before the tiny one starts.
+STACK_MODEL = {"pipeline": "default", "interactive": "default", "interactive-batched": "default", "generation": "default",
+               "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
+# A part that is another part's module with other arguments (see sizes()), and its name in the table.
+MODULE = {"interactive-batched": "interactive"}
+LABEL = {"interactive-batched": "interactive (batched decoding)"}
 # Parts timed in a process of their own: in-process model runs are sensitive to what ran before
 # them (the packing ratio measured 1.6-1.7x after the other parts, about 1.9x alone).
 FRESH_PROCESS = {"packing"}
@@ -41,18 +50,25 @@ def sizes(part, quick, tiny):
             "pipeline": ["--rows", "200", "--repeats", "3"],
             "overhead": ["--rows", "50000", "--sample", "2000"],
             "interactive": ["--requests", "40", "--batch-rows", "3000"],
+            "interactive-batched": ["--requests", "40", "--batch-rows", "1000", "--batched-decoding"],
             "roundtrip": ["--requests", "300"],
             "packing": ["--rows", "256", "--repeats", "3"],
             "memory": ["--upload-mb", "200", "--lines", "50000"],
+            "generation": ["--rows", "64", "--max-tokens", "64"],
+            "concurrency": ["--chats", "8", "32", "--max-tokens", "64"],
         }[part]
     model = ["--model", tiny]
     return {
         "pipeline": ["--rows", "8", "--repeats", "1", *model],
         "overhead": ["--rows", "40", "--sample", "8", *model],
         "interactive": ["--requests", "3", "--batch-rows", "400", "--max-tokens", "2", *model],
+        "interactive-batched": ["--requests", "3", "--batch-rows", "1000", "--max-tokens", "2", "--batch-max-tokens", "8",
+                                "--batched-decoding", *model],
         "roundtrip": ["--requests", "25", *model],
         "packing": ["--rows", "6", "--repeats", "1", "--window", "4", *model],
         "memory": ["--upload-mb", "2", "--lines", "40", *model],
+        "generation": ["--rows", "4", "--max-tokens", "4", *model],
+        "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
     }[part]
 
 
@@ -79,7 +95,7 @@ def main(argv=None):
     with contextlib.ExitStack() as stacks:
         shared = {}  # model -> (its stack, the ExitStack that stops it)
         for index, part in enumerate(ordered):
-            module = importlib.import_module(f"bench.{part}")
+            module = importlib.import_module(f"bench.{MODULE.get(part, part)}")
             part_started = time.monotonic()
             kwargs = {}
             if part in model_of:
@@ -145,11 +161,11 @@ def render(summary):
     for part, figures in summary["parts"].items():
         for item in figures.get("checks", []):
             verdict = "met" if item["met"] else "**missed**"
-            lines.append(f"| {part} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
+            lines.append(f"| {LABEL.get(part, part)} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
     lines += ["", "| part | sizes and the figures behind the ratios |", "|---|---|"]
     for part, figures in summary["parts"].items():
         detail = "; ".join(f"{label}: {value}" for label, value in figures.get("report", []))
-        lines.append(f"| {part} ({figures.get('seconds', '?')} s) | {detail.replace('|', '/')} |")
+        lines.append(f"| {LABEL.get(part, part)} ({figures.get('seconds', '?')} s) | {detail.replace('|', '/')} |")
     return "\n".join(lines)
 
 

@@ -200,3 +200,61 @@ def tiny_model():
     from tests.conftest import build_test_model
 
     return build_test_model()
+
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(model_id, text, max_tokens, temperature=0):
+    """One user message, greedy by default: the same answer from any server of the same model."""
+    return {"model": model_id, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": temperature}
+
+
+def chat_lines(model_id, prompts, max_tokens):
+    """A batch file's lines: one greedy generation row (/v1/chat/completions) per prompt."""
+    return [json.dumps({"custom_id": f"row-{index}", "method": "POST", "url": CHAT,
+                        "body": chat_body(model_id, prompt, max_tokens)})
+            for index, prompt in enumerate(prompts)]
+
+
+def start_batch_unless_refused(client, lines, endpoint, field, **create):
+    """start_batch, except that a 400 naming `field` (a create field this server does not know
+    yet, such as batched_decoding before the step scheduler) returns (None, the refusal's
+    message) instead of raising; any other error raises. Returns (batch, None) otherwise."""
+    import httpx
+
+    try:
+        return start_batch(client, lines, endpoint, **create), None
+    except httpx.HTTPStatusError as error:
+        body = error.response.json() if error.response.headers.get("content-type", "").startswith("application/json") else {}
+        if error.response.status_code == 400 and body.get("error", {}).get("param") == field:
+            return None, body["error"]["message"]
+        raise
+
+
+def output_rows(client, batch):
+    """A finished batch's output file, parsed: custom_id -> its output line."""
+    if not batch.get("output_file_id"):
+        return {}
+    content = client.get(f"/v1/files/{batch['output_file_id']}/content").content
+    lines = [json.loads(line) for line in content.splitlines() if line.strip()]
+    return {line["custom_id"]: line for line in lines}
+
+
+def first_difference(left, right):
+    """The index of the first item where two sequences differ (the shorter one's length when
+    one is a prefix of the other), or None when they are the same."""
+    for index, (a, b) in enumerate(zip(left, right)):
+        if a != b:
+            return index
+    return None if len(left) == len(right) else min(len(left), len(right))
+
+
+def default_gguf(model=None):
+    """The GGUF file `model` (a MILLM_MODEL value; None: the packaged SmolLM2) comes from, or
+    the packaged one when `model` is a folder of safetensors: what another server can load."""
+    from inference_app.catalogue import default_model_path, model_source
+
+    source = model_source(model)
+    return source.path if source.path.suffix.lower() == ".gguf" else default_model_path()

@@ -102,9 +102,10 @@ def health_detailed(request):
             "lease": _lease_status(serving),
             "engines": [engine.to_health() for engine in engines],
             "inference": {
-                "backend": "serial",
+                # Seats an engine decodes together (ENGINE_MAX_SEQUENCES, as the engine reported it).
+                "backend": "batched" if serving and serving.queue_max_concurrent > 1 else "serial",
                 "queue_pending": sum(engine.queue_waiting + engine.in_flight for engine in active),
-                "queue_max_concurrent": settings.MAX_CONCURRENT_REQUESTS,
+                "queue_max_concurrent": serving.queue_max_concurrent if serving else settings.ENGINE_MAX_SEQUENCES,
                 "queue_max_pending": settings.MAX_PENDING_REQUESTS,
                 "in_flight": sum(engine.in_flight for engine in active),
                 "queue_waiting": sum(engine.queue_waiting for engine in active),

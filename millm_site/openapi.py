@@ -254,7 +254,7 @@ class EngineHealth(Shape):
 
 
 class InferenceHealth(Shape):
-    backend: Literal["serial"]
+    backend: Literal["serial", "batched"]
     queue_pending: int
     queue_max_concurrent: int
     queue_max_pending: int
@@ -444,6 +444,7 @@ class BatchCreate(BaseModel):
     output_expires_after: OutputExpiresAfter | None = None
     pack: bool | None = None
     pack_window: Annotated[int, Field(ge=0)] | None = None
+    batched_decoding: bool | None = None
 
 
 class BatchErrorItem(Shape):
@@ -483,6 +484,7 @@ class BatchUsage(Shape):
 class BatchMillm(Shape):
     pack: bool
     pack_window: int
+    batched_decoding: bool
     waiting_reason: Literal["queued", "model_not_resident", "lease_unavailable", "weights_torn"] | None
     lease_mode: Literal["own", "caller"] | None
     output_expires_after: int | None

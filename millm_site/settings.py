@@ -132,6 +132,12 @@ if ENGINE_STALE_S <= ENGINE_HEARTBEAT_S:
 
 MAX_CONCURRENT_REQUESTS = envint("MAX_CONCURRENT_REQUESTS", 1, minimum=1, maximum=64)
 MAX_PENDING_REQUESTS = envint("MAX_PENDING_REQUESTS", 10, minimum=1)
+# Generation sequences decoding together (SPEC 8a); 1 is the seed's one-at-a-time engine. On a GPU
+# the KV cache, not compute, bounds it: 32-64 for a 7B model on 80 GB.
+ENGINE_MAX_SEQUENCES = envint("ENGINE_MAX_SEQUENCES", 16, minimum=1, maximum=1024)
+# Prompt tokens prefilled per step boundary (at least one sequence joins whatever its length):
+# a long prompt joining does not stall every live sequence for several prompts' prefills.
+ENGINE_PREFILL_TOKENS_PER_STEP = envint("ENGINE_PREFILL_TOKENS_PER_STEP", 2048, minimum=1)
 EMBEDDINGS_MAX_INPUTS = envint("EMBEDDINGS_MAX_INPUTS", 128, minimum=1)
 PROBE_SCORE_MAX_INPUTS = envint("PROBE_SCORE_MAX_INPUTS", 64, minimum=1)
 PROBE_SCORE_MAX_PROBES = envint("PROBE_SCORE_MAX_PROBES", 8, minimum=1)
@@ -144,6 +150,7 @@ BATCH_CHUNK_ROWS = envint("BATCH_CHUNK_ROWS", 8, minimum=1)
 BATCH_PACK_MAX_ROWS = envint("BATCH_PACK_MAX_ROWS", 16, minimum=1)
 BATCH_PACK_MAX_TOKENS = envint("BATCH_PACK_MAX_TOKENS", 16_384, minimum=1)
 BATCH_PACK_DEFAULT = envbool("BATCH_PACK_DEFAULT", False)
+BATCH_DECODING_DEFAULT = envbool("BATCH_DECODING_DEFAULT", False)
 BATCH_PACK_WINDOW_DEFAULT = envint("BATCH_PACK_WINDOW_DEFAULT", 0, minimum=0)
 BATCH_PACK_WINDOW_MAX = envint("BATCH_PACK_WINDOW_MAX", 1024, minimum=0)
 BATCH_LEASE_TTL_S = envint("BATCH_LEASE_TTL_S", 900, minimum=3)

@@ -1,11 +1,19 @@
-"""The admission slot (SPEC section 8): one queue per engine, interactive before batch.
+"""The admission slot (SPEC sections 8 and 8a): one queue per engine, interactive before batch.
+
+The slot has `seats` (ENGINE_MAX_SEQUENCES). A *shared* holder is one generation sequence: it
+takes one seat, and the step scheduler decodes every shared holder's sequence in the same
+forward passes. An *exclusive* holder (a model swap, a weights edit, a scoring, embedding or
+probe request, a serial batch chunk) takes the whole model: it is granted when nothing else holds
+a seat, and nothing is granted while it holds.
 
 Interactive requests wait in arrival order and count as pending; when waiting plus holding has
-reached MAX_PENDING_REQUESTS the next is refused with queue_full. A batch chunk takes the slot
-as a background holder: never pending, never refused, and never granted while an interactive
-request waits, so chat always goes first at a chunk boundary. The runner ends a chunk of single
-rows at the next row when an interactive request is queued (`interactive_queued`), so that
-boundary comes after one row, not a whole chunk.
+reached MAX_PENDING_REQUESTS + seats - 1 (with one seat: the seed's MAX_PENDING_REQUESTS) the next
+is refused with queue_full. A batch takes seats as a background holder: never pending, never
+refused, never granted while an interactive request waits, and never holding the last seat: a
+background holder is granted only while fewer than `seats - 1` background holders hold one, so
+an arriving chat finds a free seat at the next step. The runner ends a chunk of single rows at the
+next row when an interactive request is queued (`interactive_queued`), so a chunk boundary comes
+after one row, not a whole chunk.
 
 All methods run on the engine's event loop; none is thread-safe and none needs to be (the model
 thread only reads the int `interactive_queued`).
@@ -23,11 +31,14 @@ RETRY_AFTER_WITHOUT_ESTIMATE = 5
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after, pending, limit):
+    def __init__(self, retry_after, pending, limit, max_pending=None, seats=1):
         super().__init__(f"{pending} requests are waiting or running; the limit is {limit}")
         self.retry_after = retry_after
         self.pending = pending
         self.limit = limit
+        self.max_pending = limit if max_pending is None else max_pending
+        # How the limit follows from the seats, for the message (nothing with one seat).
+        self.beside_seats = "" if seats == 1 else f" beside {seats} seats (at most {limit} at once)"
 
 
 class AdmissionSlot:
@@ -36,7 +47,10 @@ class AdmissionSlot:
         self.max_pending = max_pending
         self.holding = 0
         self.interactive_holding = 0
-        self._interactive = deque()
+        self.exclusive = False
+        self.shared_holding = 0
+        self.background_shared = 0
+        self._interactive = deque()  # (future, shared)
         self._background = deque()
         self._hold_seconds = deque(maxlen=HOLD_SAMPLES)
         # Interactive acquirers awaiting the slot, as a plain int so that the model thread may
@@ -45,15 +59,19 @@ class AdmissionSlot:
 
     @property
     def waiting(self):
-        return sum(1 for future in self._interactive if not future.done())
+        return sum(1 for future, _ in self._interactive if not future.done())
 
     @property
     def background_waiting(self):
-        return sum(1 for future in self._background if not future.done())
+        return sum(1 for future, _ in self._background if not future.done())
 
     @property
     def pending(self):
         return self.waiting + self.interactive_holding
+
+    @property
+    def pending_limit(self):
+        return self.max_pending + self.slots - 1
 
     def retry_after(self):
         """ceil(median hold x (waiting + holding) / slots), clamped to 1..60; 5 without data."""
@@ -68,66 +86,82 @@ class AdmissionSlot:
         return round(statistics.median(self._hold_seconds) * (self.waiting + self.holding) / self.slots, 3)
 
     @asynccontextmanager
-    async def hold(self, interactive=True, limited=True):
-        await self.acquire(interactive, limited)
+    async def hold(self, interactive=True, limited=True, shared=False):
+        await self.acquire(interactive, limited, shared)
         started = time.monotonic()
         try:
             yield
         finally:
-            self.release(interactive, time.monotonic() - started)
+            self.release(interactive, time.monotonic() - started, shared)
 
-    async def acquire(self, interactive=True, limited=True):
-        """Wait for the slot; raises QueueFull for an interactive request over the limit.
+    async def acquire(self, interactive=True, limited=True, shared=False):
+        """Wait for a seat (`shared`) or the whole model; raises QueueFull for an interactive
+        request over the limit.
 
-        limited=False is for the engine's own model swaps: they queue with interactive requests
-        but are never refused.
+        limited=False is for the engine's own model swaps and weights edits: they queue with
+        interactive requests but are never refused.
         """
-        if interactive and limited and self.pending >= self.max_pending:
-            raise QueueFull(self.retry_after(), self.pending, self.max_pending)
-        if self.holding < self.slots and not self.waiting and (interactive or not self.background_waiting):
-            self._grant(interactive)
+        if interactive and limited and self.pending >= self.pending_limit:
+            raise QueueFull(self.retry_after(), self.pending, self.pending_limit, self.max_pending, self.slots)
+        ahead = self.waiting if interactive else self.waiting + self.background_waiting
+        if not ahead and self._grantable(interactive, shared):
+            self._grant(interactive, shared)
             return
         future = asyncio.get_running_loop().create_future()
         queue = self._interactive if interactive else self._background
-        queue.append(future)
+        queue.append((future, shared))
         self.interactive_queued += interactive
         try:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                # Granted in the same loop turn as the cancel: hand the slot straight on.
-                self.release(interactive, None)
+                # Granted in the same loop turn as the cancel: hand the seat straight on.
+                self.release(interactive, None, shared)
             else:
                 future.cancel()
             raise
         finally:
             self.interactive_queued -= interactive
 
-    def _grant(self, interactive):
-        self.holding += 1
-        if interactive:
-            self.interactive_holding += 1
+    def _grantable(self, interactive, shared):
+        if not shared:
+            return self.holding == 0
+        if self.exclusive or self.shared_holding >= self.slots:
+            return False
+        return interactive or self.background_shared < max(1, self.slots - 1)
 
-    def release(self, interactive, held_seconds):
+    def _grant(self, interactive, shared):
+        self.holding += 1
+        self.interactive_holding += interactive
+        if shared:
+            self.shared_holding += 1
+            self.background_shared += not interactive
+        else:
+            self.exclusive = True
+
+    def release(self, interactive, held_seconds, shared=False):
         self.holding -= 1
-        if interactive:
-            self.interactive_holding -= 1
+        self.interactive_holding -= interactive
+        if shared:
+            self.shared_holding -= 1
+            self.background_shared -= not interactive
+        else:
+            self.exclusive = False
         if held_seconds is not None:
             self._hold_seconds.append(held_seconds)
         self._wake()
 
     def _wake(self):
-        while self.holding < self.slots:
-            future, interactive = self._next_waiter()
-            if future is None:
-                return
-            self._grant(interactive)
-            future.set_result(None)
-
-    def _next_waiter(self):
+        """Grant waiters in order while the head of the line can be granted: interactive ones
+        first, in arrival order; background ones only when no interactive one waits."""
         for queue, interactive in ((self._interactive, True), (self._background, False)):
             while queue:
-                future = queue.popleft()
-                if not future.done():
-                    return future, interactive
-        return None, False
+                future, shared = queue[0]
+                if future.done():
+                    queue.popleft()
+                    continue
+                if not self._grantable(interactive, shared):
+                    return
+                queue.popleft()
+                self._grant(interactive, shared)
+                future.set_result(None)

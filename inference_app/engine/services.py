@@ -8,6 +8,7 @@ so it must be consumed in the model thread, under the admission slot.
 """
 
 import base64
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -69,7 +70,13 @@ def check_model(runtime, parsed):
 
 
 def headers_for(runtime, parsed):
-    return provenance_headers(runtime.model_id, parsed.endpoint, parsed.request, parsed.ignored)
+    """The route's provenance headers; X-miLLM-Backend is `batched` once a sequence of this
+    request shared a decode step with another (a seated runtime knows; the model alone never
+    shares)."""
+    headers = provenance_headers(runtime.model_id, parsed.endpoint, parsed.request, parsed.ignored)
+    if getattr(runtime, "shared", False):
+        headers["X-miLLM-Backend"] = "batched"
+    return headers
 
 
 # --- chat ---
@@ -197,6 +204,11 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
 
 
 # --- scoring, shared by chat and completions ---
+
+
+def is_generation(parsed):
+    """Chat and completions that generate (not scoring): these decode in the step scheduler."""
+    return parsed.endpoint in (CHAT, COMPLETIONS) and not parsed.request.is_scoring()
 
 
 def is_packable(parsed):
@@ -480,16 +492,17 @@ def _generate_text(runtime, request, prompt_ids, max_tokens, cancelled):
 def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
     """Yield the answer's text as it is generated; `assembler` keeps the whole and the reason."""
     tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled)
-    for token in tokens:
-        if token.finished_by_eos:
-            assembler.finish_reason = "stop"
-            break
-        delta = assembler.add(token.token_id)
-        if delta:
-            yield delta
-        if assembler.stopped:
-            assembler.finish_reason = "stop"
-            break
+    with contextlib.closing(tokens):  # a stop sequence ends the sequence now, not when collected
+        for token in tokens:
+            if token.finished_by_eos:
+                assembler.finish_reason = "stop"
+                break
+            delta = assembler.add(token.token_id)
+            if delta:
+                yield delta
+            if assembler.stopped:
+                assembler.finish_reason = "stop"
+                break
     rest = assembler.finish()
     if rest:
         yield rest

@@ -5,6 +5,7 @@ import json
 
 from bench import __main__ as suite
 from bench import packing
+from bench.common import first_difference
 
 
 def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(test_model_dir):
@@ -21,6 +22,23 @@ def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(
     assert json.loads((suite.RESULTS / "summary.json").read_text())["quick"] is True
     memory = summary["parts"]["memory"]
     assert memory["uvicorn_growth_mb"] >= 0 and memory["engine_growth_mb"] >= 0
+    generation = summary["parts"]["generation"]
+    assert generation["rows"] == 4 and generation["serial_rows_per_s"] > 0
+    if not generation["batched_refused"]:  # a server with batched decoding compared every row
+        assert generation["same_text_rows"] + len(generation["first_differing_token"]) == 4
+    concurrency = summary["parts"]["concurrency"]
+    servers = ["miserver", "serial"] + (["llamacpp"] if concurrency["llamacpp_server"]["available"] else [])
+    for server in servers:
+        for level in ("2", "4"):
+            assert concurrency[server][level]["answered"] == int(level), (server, level)
+            assert concurrency[server][level]["completion_tokens"] > 0, (server, level)
+
+
+def test_first_difference_is_the_first_differing_index_or_the_shorter_length():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], [4]) == 0
 
 
 def test_packed_and_single_agree_in_the_packing_part(test_model_dir):

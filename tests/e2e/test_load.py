@@ -21,7 +21,9 @@ STORM = 100
 
 @pytest.fixture(scope="module")
 def busy(tmp_path_factory, test_model_dir):
-    settings = {"MAX_PENDING_REQUESTS": LIMIT, "BATCH_WAIT_POLL_S": 0.2, "BATCH_TEST_PAUSE_BEFORE_RECORD_S": 0.05}
+    # One seat (the seed's engine): the queue the test counts is MAX_PENDING_REQUESTS itself.
+    settings = {"MAX_PENDING_REQUESTS": LIMIT, "BATCH_WAIT_POLL_S": 0.2, "BATCH_TEST_PAUSE_BEFORE_RECORD_S": 0.05,
+                "ENGINE_MAX_SEQUENCES": 1}
     with Stack.running(tmp_path_factory.mktemp("load"), test_model_dir, **settings) as stack:
         stack.client = make_client(stack.web.url)
         yield stack

@@ -1,13 +1,12 @@
 """Engines come and go: 503 without one, standbys, the queue limit, bearer keys."""
 
-import concurrent.futures
 import signal
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import MODEL_ID, make_client
+from tests.e2e.conftest import MODEL_ID, crowd_of_long_chats, make_client
 from tests.e2e.stack import Stack, wait_until
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -66,17 +65,7 @@ def test_a_second_engine_for_the_same_model_waits_as_a_standby(stack, client):
 
 def test_queue_full_once_waiting_plus_holding_reaches_the_limit(stack):
     # MAX_PENDING_REQUESTS is 3 here: one holds the slot, two wait, the rest are refused.
-    client = make_client(stack.web.url)
-
-    def ask(_):
-        try:
-            client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=700, temperature=0)
-            return "ok", None
-        except openai.InternalServerError as error:
-            return error.code, error.response.headers.get("Retry-After")
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(ask, range(8)))
+    outcomes = crowd_of_long_chats(make_client(stack.web.url), 8, MESSAGES)
     refused = [retry for code, retry in outcomes if code == "queue_full"]
     served = [code for code, _ in outcomes if code == "ok"]
     assert len(served) >= 3, outcomes

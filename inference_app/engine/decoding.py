@@ -1,0 +1,99 @@
+"""The batched KV cache: many sequences, one forward pass per decode step.
+
+Rows are left-padded to one width: column j of every layer's keys and values is the same cache
+position for every row, and a row's padding columns are masked out (attention mask 0) and never
+read. Each row carries its own next position (its real length so far), so rotary embeddings see
+exactly the positions the row would see alone.
+
+A prompt joins alone: `admit` prefills it in a forward pass of its own (the same pass a lone
+request runs, so its first token is the lone request's first token) and then merges its cache
+into the batch, padding whichever side is shorter. `drop` removes rows and trims the padding
+columns no remaining row needs, so a long prompt that left stops widening every step.
+
+Only full-attention layers (`DynamicLayer`) can be merged this way; `mergeable` says so, and the
+scheduler decodes other models one sequence at a time.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
+
+
+class BatchedDecoder:
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.device = runtime.device
+        self.cache = None
+        self.mask = None  # [rows, columns], 1 where a row has a real token
+        self.positions = []  # each row's next position
+        self.merges = None  # whether this model's cache merges (known after the first prefill)
+
+    @property
+    def rows(self):
+        return len(self.positions)
+
+    @property
+    def width(self):
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids):
+        """One prompt alone: (its cache, the float32 logits at its last token)."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        out = self.runtime.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return out.cache, out.logits[0, -1].float()
+
+    @staticmethod
+    def mergeable(cache):
+        return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+    @torch.inference_mode()
+    def admit(self, cache, length):
+        """Merge a prefilled sequence's cache (`length` tokens) as the last row."""
+        row_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+        if self.cache is None:
+            self.cache, self.mask, self.positions = cache, row_mask, [length]
+            return
+        width = max(self.width, length)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(row_mask, width)], dim=0)
+        self.positions.append(length)
+
+    @torch.inference_mode()
+    def step(self, token_ids):
+        """One forward pass: each row's last sampled token in, [rows, vocab] float32 logits out."""
+        ids = torch.tensor([[token_id] for token_id in token_ids], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[position] for position in self.positions], dtype=torch.long, device=self.device)
+        mask = torch.cat([self.mask, torch.ones((self.rows, 1), dtype=torch.long, device=self.device)], dim=1)
+        out = self.runtime.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        self.mask = mask
+        self.positions = [position + 1 for position in self.positions]
+        return out.logits[:, -1].float()
+
+    @torch.inference_mode()
+    def drop(self, indices):
+        """Remove the rows at `indices`; trim the columns that are padding in every row left."""
+        keep = [index for index in range(self.rows) if index not in set(indices)]
+        if not keep:
+            self.cache, self.mask, self.positions = None, None, []
+            return
+        self.positions = [self.positions[index] for index in keep]
+        selected = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.mask = self.mask.index_select(0, selected)
+        start = self.width - max(self.positions)  # a row's position is its real length
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, selected)[:, :, start:]
+            layer.values = layer.values.index_select(0, selected)[:, :, start:]
+
+
+def _left_pad(tensor, width):
+    """Zeros on the left of the sequence dimension (dim -2 of keys/values, dim 1 of a mask)."""
+    if tensor.dim() == 2:
+        return F.pad(tensor, (width - tensor.shape[1], 0))
+    return F.pad(tensor, (0, 0, width - tensor.shape[-2], 0))

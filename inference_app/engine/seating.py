@@ -1,0 +1,88 @@
+"""Who runs the model, and where: the one interface that interactive serving and the batch
+runner share.
+
+- `exclusive(...)`: the whole model (a scoring, embedding or probe request, a serial batch chunk,
+  a generation request when seats are 1): the admission slot's exclusive hold, the function in
+  the model thread.
+- `seated(...)`: one seat (a generation request or a `batched_decoding` batch row): a shared hold,
+  the function in a service thread of its own with a `SeatedRuntime`, whose sequences the step
+  scheduler decodes together.
+
+Both check, once the hold is granted, that the model they were asked for is resident with clean
+weights (a swap or an edit may have taken the slot first) and answer `NOT_RUN` otherwise. The
+hold lasts until the thread is done, even if the awaiting task is cancelled meanwhile: a seat or
+the model is never handed on while its forward pass runs.
+"""
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from django.conf import settings
+
+from inference_app.engine.admission import AdmissionSlot
+from inference_app.engine.scheduler import SeatedRuntime, StepScheduler
+
+NOT_RUN = object()
+
+
+class Seating:
+    def __init__(self, residency):
+        """`residency`: an object with `runtime` and `weights_torn` (the engine's resident model)."""
+        self.residency = residency
+        self.seats = settings.ENGINE_MAX_SEQUENCES
+        self.slot = AdmissionSlot(self.seats, settings.MAX_PENDING_REQUESTS)
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+        self.service_threads = ThreadPoolExecutor(self.seats, thread_name_prefix="service")
+        self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP)
+
+    @property
+    def batched(self):
+        """Whether generation shares forward passes at all (ENGINE_MAX_SEQUENCES > 1)."""
+        return self.seats > 1
+
+    def give_way(self):
+        """Asked by a serial chunk's model thread before each row: a chat is waiting."""
+        return self.slot.interactive_queued > 0
+
+    async def exclusive(self, model_id, function, *args, interactive=False):
+        """`function(runtime, *args)` in the model thread, holding the whole model."""
+        async with self.slot.hold(interactive=interactive, limited=interactive):
+            runtime = self._runnable(model_id)
+            if runtime is None:
+                return NOT_RUN
+            return await self.in_thread(False, function, runtime, *args)
+
+    async def seated(self, model_id, function, *args, interactive=False):
+        """`function(seated runtime, *args)` in a service thread, holding one seat."""
+        async with self.slot.hold(interactive=interactive, limited=interactive, shared=True):
+            runtime = self._runnable(model_id)
+            if runtime is None:
+                return NOT_RUN
+            stop = threading.Event()
+            seated = SeatedRuntime(runtime, self.scheduler, interactive, stop.is_set)
+            return await self.in_thread(True, function, seated, *args, on_cancel=stop.set)
+
+    def _runnable(self, model_id):
+        runtime = self.residency.runtime
+        if runtime is None or runtime.model_id != model_id or self.residency.weights_torn:
+            return None
+        return runtime
+
+    async def in_thread(self, shared, function, *args, on_cancel=None):
+        """`function(*args)` in a service thread (`shared`) or the model thread, awaited; a
+        cancel of the awaiting task calls `on_cancel()` and waits for the thread to finish
+        before it propagates."""
+        executor = self.service_threads if shared else self.model_thread
+        work = asyncio.get_running_loop().run_in_executor(executor, function, *args)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel()
+            await asyncio.wait({work})
+            raise
+
+    def shutdown(self):
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
+        self.service_threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,135 @@
+"""The step scheduler on the tiny model: many sequences per forward pass, each the same tokens
+as alone, each ending on its own."""
+
+import threading
+
+import pytest
+import torch
+
+from inference_app.engine.decoding import BatchedDecoder
+from inference_app.engine.scheduler import SeatedRuntime, StepScheduler
+
+PROMPTS = [
+    "Hello there, how are you",
+    "The capital of France is",
+    "a",
+    "Once upon a time in a land far far away there lived",
+    "1 2 3 4",
+    "Write a poem about the sea and the sky",
+]
+
+
+@pytest.fixture
+def scheduler():
+    return StepScheduler(prefill_tokens_per_step=4096)
+
+
+def alone(resident, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None):
+    return [token.token_id for token in resident.generate(resident.encode(prompt), max_tokens, temperature, top_p, seed)]
+
+
+def together(resident, scheduler, jobs, start_together=True):
+    """Each job (prompt, max_tokens, temperature, seed) consumed in a thread of its own, as seated
+    requests are; returns each one's token ids and its seated runtime."""
+    results = [None] * len(jobs)
+    barrier = threading.Barrier(len(jobs)) if start_together else None
+
+    def consume(index, prompt, max_tokens, temperature, seed):
+        seated = SeatedRuntime(resident, scheduler, interactive=True)
+        if barrier:
+            barrier.wait()
+        tokens = [token.token_id for token in seated.generate(resident.encode(prompt), max_tokens, temperature, 1.0, seed)]
+        results[index] = (tokens, seated)
+
+    threads = [threading.Thread(target=consume, args=(index, *job)) for index, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def test_batched_greedy_tokens_equal_one_at_a_time_tokens(resident, scheduler):
+    lengths = [12, 20, 7, 16, 20, 3]
+    results = together(resident, scheduler, [(prompt, n, 0.0, None) for prompt, n in zip(PROMPTS, lengths)])
+    for prompt, n, (tokens, seated) in zip(PROMPTS, lengths, results):
+        assert tokens == alone(resident, prompt, n), prompt
+    assert scheduler.steps < sum(lengths)  # rows shared their forward passes
+    assert any(seated.shared for _, seated in results)
+    assert scheduler.live == [] and scheduler.decoder.rows == 0
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_others(resident, scheduler):
+    expected = alone(resident, PROMPTS[0], 16, temperature=1.3, seed=1234)
+    jobs = [(PROMPTS[0], 16, 1.3, 1234)] + [(prompt, 16, 0.9, 7 + index) for index, prompt in enumerate(PROMPTS[1:])]
+    tokens, seated = together(resident, scheduler, jobs)[0]
+    assert tokens == expected
+    assert seated.shared
+
+
+def test_closing_one_sequence_ends_it_and_not_the_others(resident, scheduler):
+    """A stop sequence (the consumer closes its tokens) frees its row; the others go on."""
+    seated_short = SeatedRuntime(resident, scheduler, interactive=True)
+    seated_long = SeatedRuntime(resident, scheduler, interactive=False)
+    long_tokens = seated_long.generate(resident.encode(PROMPTS[3]), 24, 0.0, 1.0, None)
+    first = next(long_tokens)
+    short_tokens = seated_short.generate(resident.encode(PROMPTS[1]), 24, 0.0, 1.0, None)
+    taken = [next(short_tokens) for _ in range(3)]
+    short_tokens.close()  # what a stop sequence does
+    assert seated_short.sequences[0].released.is_set()
+    rest = list(long_tokens)
+    assert [first.token_id] + [token.token_id for token in rest] == alone(resident, PROMPTS[3], 24)
+    assert len(taken) == 3 and seated_long.sequences[0].shared
+
+
+def test_a_cancelled_sequence_leaves_at_the_next_step(resident, scheduler):
+    cancelled = threading.Event()
+    seated = SeatedRuntime(resident, scheduler, interactive=True)
+    tokens = seated.generate(resident.encode(PROMPTS[0]), 50, 0.0, 1.0, None, cancelled.is_set)
+    next(tokens)
+    cancelled.set()
+    assert len(list(tokens)) <= 1
+    assert scheduler.live == []
+
+
+def test_max_tokens_and_a_lone_sequence_is_serial(resident, scheduler):
+    (tokens, seated), = together(resident, scheduler, [(PROMPTS[4], 5, 0.0, None)])
+    assert tokens == alone(resident, PROMPTS[4], 5) and len(tokens) <= 5
+    assert not seated.shared
+
+
+def test_rows_that_leave_trim_the_padding_the_others_do_not_need(resident):
+    decoder = BatchedDecoder(resident)
+    for prompt in (PROMPTS[3], PROMPTS[2]):
+        ids = resident.encode(prompt)
+        cache, _ = decoder.prefill(ids)
+        decoder.admit(cache, len(ids))
+    long_width = len(resident.encode(PROMPTS[3]))
+    assert decoder.width == long_width
+    decoder.drop([0])
+    assert decoder.width == len(resident.encode(PROMPTS[2]))
+    assert decoder.cache.layers[0].keys.shape[2] == decoder.width
+
+
+class _OutOfMemoryAtWidth(BatchedDecoder):
+    """The device's memory as a GPU's would run out: a step of more than `rows` sequences fails,
+    once (a fault injected into the decoder, the model itself untouched)."""
+
+    rows_that_fit = 3
+    failures = 0
+
+    def step(self, token_ids):
+        if len(token_ids) > self.rows_that_fit and not _OutOfMemoryAtWidth.failures:
+            _OutOfMemoryAtWidth.failures += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return super().step(token_ids)
+
+
+def test_out_of_memory_in_a_step_shrinks_the_batch_and_every_sequence_still_ends_right(resident, scheduler):
+    scheduler.decoder_class = _OutOfMemoryAtWidth
+    _OutOfMemoryAtWidth.failures = 0
+    results = together(resident, scheduler, [(prompt, 16, 0.0, None) for prompt in PROMPTS])
+    assert _OutOfMemoryAtWidth.failures == 1
+    for prompt, (tokens, _) in zip(PROMPTS, results):
+        assert tokens == alone(resident, prompt, 16), prompt
+    assert scheduler.capacity is None and scheduler.live == []
