@@ -293,7 +293,7 @@ class BatchRunner:
         packed = batch.pack and batch.endpoint in PACKABLE_ENDPOINTS
         size = (batch.pack_window or settings.BATCH_PACK_MAX_ROWS) if packed else settings.BATCH_CHUNK_ROWS
         window = list(batch.rows.unrecorded()[:size])
-        if window and batch.endpoint in GENERATION_ENDPOINTS and not _is_scoring(window[0].body):
+        if window and batch.endpoint in GENERATION_ENDPOINTS and _generates(batch.endpoint, window[0].body):
             return window[:1]
         if not (packed and batch.pack_window):
             return window
@@ -346,7 +346,7 @@ class BatchRunner:
             return []
         rows = []
         for row in batch.rows.unrecorded().exclude(pk__in=list(self.seated))[:room]:
-            if _is_scoring(row.body):
+            if not _generates(batch.endpoint, row.body):
                 break
             rows.append(row)
         return rows
@@ -454,10 +454,13 @@ class BatchRunner:
             self.last_backlog = backlog
 
 
-def _is_scoring(body):
-    """A chat or completion row in scoring mode (it runs in chunks; generation runs alone)."""
-    body = body or {}
-    return body.get("logprobs") not in (None, False) or body.get("allowed_token_ids") is not None
+def _generates(endpoint, body):
+    """A chat or completion row that generates (not scoring), as the service functions decide
+    (`logprobs: 0` is scoring in completions, not in chat): it runs alone, or seated."""
+    try:
+        return services.is_generation(parse_request(endpoint, body, strict=True))
+    except ApiError:
+        return False  # it fails in a chunk of its own, as the route would refuse it
 
 
 def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None):

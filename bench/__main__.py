@@ -24,9 +24,9 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency"]
+         "concurrency", "decoders", "cpu_levers"]
 RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "concurrency", "overhead", "roundtrip", "memory",
-             "packing"]
+             "packing", "decoders", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
 # it runs after the default model's stack is stopped and before the tiny one starts.
@@ -37,7 +37,7 @@ MODULE = {"interactive-batched": "interactive"}
 LABEL = {"interactive-batched": "interactive (batched decoding)"}
 # Parts timed in a process of their own: in-process model runs are sensitive to what ran before
 # them (the packing ratio measured 1.6-1.7x after the other parts, about 1.9x alone).
-FRESH_PROCESS = {"packing"}
+FRESH_PROCESS = {"packing", "decoders", "cpu_levers"}
 CHART = ROOT / "docs" / "bench" / "packing.png"
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -56,6 +56,8 @@ def sizes(part, quick, tiny):
             "memory": ["--upload-mb", "200", "--lines", "50000"],
             "generation": ["--rows", "64", "--max-tokens", "64"],
             "concurrency": ["--chats", "8", "32", "--max-tokens", "64"],
+            "decoders": ["--prompts", "16", "--max-tokens", "64"],
+            "cpu_levers": ["--max-tokens", "64", "--repeats", "3"],
         }[part]
     model = ["--model", tiny]
     return {
@@ -69,6 +71,8 @@ def sizes(part, quick, tiny):
         "memory": ["--upload-mb", "2", "--lines", "40", *model],
         "generation": ["--rows", "4", "--max-tokens", "4", *model],
         "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
+        "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
+        "cpu_levers": ["--max-tokens", "4", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
     }[part]
 
 

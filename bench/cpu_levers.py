@@ -33,7 +33,7 @@ def main(argv=None, running=None):
     parser.add_argument("--only", nargs="*", default=None, help="levers to run (default: all)")
     args = parser.parse_args(argv)
 
-    from bench.common import load_resident, report, setup_django
+    from bench.common import check, load_resident, report, setup_django
 
     setup_django()
     import torch
@@ -87,7 +87,13 @@ def main(argv=None, running=None):
         figures[name] = {"tokens_per_s": outcome["tokens_per_s"], "ratio": ratio, "same_tokens": same}
         rows.append((name, f"{outcome['tokens_per_s']:.1f} tokens/s ({ratio:.2f}x), "
                            f"{'the same tokens' if same else 'other tokens'}"))
-    return report("cpu_levers", rows, figures)
+    keeping = {name: figures[name]["ratio"] for name in outcomes
+               if name != "baseline" and "error" not in outcomes[name] and figures[name]["same_tokens"]}
+    best = max(keeping, key=keeping.get) if keeping else None
+    ratio = keeping.get(best, 1.0)
+    checks = [check("fastest lever with the same tokens / the engine's default", f"{ratio:.2f}x ({best})",
+                    "<= 1.05 (else adopt it)", ratio <= 1.05)]
+    return report("cpu_levers", rows, figures, checks)
 
 
 def _threads(count):

@@ -19,6 +19,8 @@ import argparse
 import threading
 import time
 
+from bench.common import first_difference
+
 
 def main(argv=None, running=None):
     parser = argparse.ArgumentParser(description=__doc__)
@@ -66,13 +68,8 @@ def main(argv=None, running=None):
 
 def compare(reference, tokens):
     """(rows equal to the reference, [the first token index where each other row parts])."""
-    same, parted = 0, []
-    for expected, got in zip(reference, tokens):
-        if expected == got:
-            same += 1
-        else:
-            parted.append(next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got))))
-    return same, parted
+    parted = [first_difference(expected, got) for expected, got in zip(reference, tokens)]
+    return parted.count(None), [index for index in parted if index is not None]
 
 
 def serial(resident, prompts, max_tokens):

@@ -138,6 +138,10 @@ ENGINE_MAX_SEQUENCES = envint("ENGINE_MAX_SEQUENCES", 16, minimum=1, maximum=102
 # Prompt tokens prefilled per step boundary (at least one sequence joins whatever its length):
 # a long prompt joining does not stall every live sequence for several prompts' prefills.
 ENGINE_PREFILL_TOKENS_PER_STEP = envint("ENGINE_PREFILL_TOKENS_PER_STEP", 2048, minimum=1)
+# While a chat decodes, batch rows "pause" (a chat's step runs the chats alone: on a CPU a step of
+# 16 rows costs several single steps) or "decode" in the same steps (a GPU's wider step costs
+# little more); "auto": pause on a CPU, decode on a GPU.
+ENGINE_BATCH_ROWS_BESIDE_CHATS = envchoice("ENGINE_BATCH_ROWS_BESIDE_CHATS", "auto", ["auto", "decode", "pause"])
 EMBEDDINGS_MAX_INPUTS = envint("EMBEDDINGS_MAX_INPUTS", 128, minimum=1)
 PROBE_SCORE_MAX_INPUTS = envint("PROBE_SCORE_MAX_INPUTS", 64, minimum=1)
 PROBE_SCORE_MAX_PROBES = envint("PROBE_SCORE_MAX_PROBES", 8, minimum=1)

@@ -119,6 +119,7 @@ class AdmissionSlot:
                 self.release(interactive, None, shared)
             else:
                 future.cancel()
+                self._wake()  # it may have been the head of the line that held the others back
             raise
         finally:
             self.interactive_queued -= interactive

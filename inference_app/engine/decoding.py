@@ -55,10 +55,17 @@ class BatchedDecoder:
             self.cache, self.mask, self.positions = cache, row_mask, [length]
             return
         width = max(self.width, length)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0)
-        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(row_mask, width)], dim=0)
+        # Every new tensor first, assigned only once all exist: out of memory halfway leaves the
+        # batch as it was.
+        merged = [
+            (torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)], dim=0),
+             torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)], dim=0))
+            for mine, theirs in zip(self.cache.layers, cache.layers)
+        ]
+        mask = torch.cat([_left_pad(self.mask, width), _left_pad(row_mask, width)], dim=0)
+        for layer, (keys, values) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = keys, values
+        self.mask = mask
         self.positions.append(length)
 
     @torch.inference_mode()

@@ -32,6 +32,10 @@ from inference_app.errors import ApiError
 log = logging.getLogger("millm.engine")
 
 _END = object()
+_WAIT, _ENDED = object(), object()  # what an admission can come to besides the joiner's logits
+# The resident model's forward passes other than generation: a seated request must never run
+# them beside the scheduler's steps (they take the whole model, through the slot).
+_NOT_SEATED = frozenset({"last_logits", "packed_last_logits", "packed_embed", "embed", "hidden_states"})
 
 
 class Sequence:
@@ -48,6 +52,7 @@ class Sequence:
         self.produced = []
         self.shared = False  # any decode step ran with another sequence in the same forward pass
         self.shared_at_first_token = False
+        self.failure = None  # an error of this sequence alone (its sampling): it ends with it
         self.closed = threading.Event()  # the consumer wants no more tokens
         self.released = threading.Event()  # the scheduler dropped it: no forward pass of it is in flight
         self._tokens = queue.SimpleQueue()
@@ -72,11 +77,14 @@ class Sequence:
         self.released.wait()
 
     @property
+    def abandoned(self):
+        return self.closed.is_set() or self.cancelled() or self.failure is not None
+
+    @property
     def done(self):
         last = self.produced[-1] if self.produced else None
         return (
-            self.closed.is_set()
-            or self.cancelled()
+            self.abandoned
             or len(self.produced) >= self.max_new_tokens
             or (last is not None and self.runtime.is_eos(last))
         )
@@ -90,21 +98,47 @@ class Sequence:
         self.released.set()
 
 
-class StepScheduler:
-    def __init__(self, prefill_tokens_per_step):
-        self.prefill_tokens_per_step = prefill_tokens_per_step
+class Lane:
+    """Sequences that decode in the same forward passes, with their batched cache."""
+
+    def __init__(self):
         self.live = []
         self.decoder = None
-        self.decoder_class = BatchedDecoder
         self.capacity = None  # live sequences at most, once the device ran out of memory
+
+    @property
+    def merges(self):
+        return self.decoder is None or self.decoder.merges is not False
+
+
+class StepScheduler:
+    """`batch_rows_beside_chats` (ENGINE_BATCH_ROWS_BESIDE_CHATS): "decode": batch rows and
+    chats share one lane, every step runs them all; "pause": two lanes, and while a chat decodes
+    only the chats' lane steps (batch rows keep their cache and resume when no chat is live):
+    where a step of many rows costs several single steps (a CPU), a chat then decodes as fast as
+    alone; "auto": pause on a CPU, decode on a GPU (where a wider step costs little more)."""
+
+    def __init__(self, prefill_tokens_per_step, batch_rows_beside_chats="auto"):
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.batch_rows_beside_chats = batch_rows_beside_chats
+        self.chats, self.rows = Lane(), Lane()
+        self.decoder_class = BatchedDecoder
         self.steps = 0
         self._waiting = deque()
         self._condition = threading.Condition()
         self._thread = None
 
     @property
-    def live_count(self):
-        return len(self.live)
+    def live(self):
+        return self.chats.live + self.rows.live
+
+    def lane_of(self, sequence):
+        if sequence.interactive:
+            return self.chats
+        mode = self.batch_rows_beside_chats
+        if mode == "auto":
+            mode = "decode" if sequence.runtime.device.type == "cuda" else "pause"
+        return self.chats if mode == "decode" else self.rows
 
     def submit(self, sequence):
         with self._condition:
@@ -123,126 +157,172 @@ class StepScheduler:
         while True:
             with self._condition:
                 while not self._waiting and not self.live:
+                    # Nothing decodes: hold no reference to a model a swap unloads.
+                    self.chats.decoder = self.rows.decoder = None
                     self._condition.wait()
-                joining = self._joining()
-            for sequence in joining:
-                self._admit_or_requeue(sequence)
-            self._drop_finished()
-            if not self.live:
-                continue
             try:
-                self._step()
-            except torch.OutOfMemoryError:
-                self._shrink()
-            except Exception as error:
+                self._one_step()
+            except Exception as error:  # never let the decode thread die: its consumers would wait for ever
                 log.exception("a decode step failed; its %d sequence(s) end with an error", len(self.live))
-                for sequence in self.live:
-                    sequence._end(error)
-                self.live, self.decoder = [], None
-            self._drop_finished()
+                for lane in (self.chats, self.rows):
+                    self._fail_live(lane, error)
 
-    def _joining(self):
-        """Waiting sequences that join at this step boundary, under the prefill token budget
-        and, after an out-of-memory, the room the device showed it has."""
+    def _one_step(self):
+        """1. End the sequences nobody wants any more (waiting or live, in either lane).
+        2. Choose the lane: the chats' while any sequence of it decodes or waits (batch rows
+           join the chats' lane when they decode beside chats), else the batch rows'.
+        3. Admit its joiners. 4. One forward pass for every live sequence of the lane (out of
+        device memory: all of them go back to wait, at most half as many together until the
+        lane empties). 5. Drop the finished."""
+        self._end_abandoned_waiters()
+        for lane in (self.chats, self.rows):
+            self._drop_finished(lane)
+        with self._condition:
+            chats_first = self.chats.live or any(self.lane_of(waiting) is self.chats for waiting in self._waiting)
+        lane = self.chats if chats_first else self.rows
+        self._admit(lane, self._joining(lane))
+        self._drop_finished(lane)
+        if not lane.live:
+            return
+        try:
+            self._step(lane)
+            out_of_memory = False
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # handled outside the except block, whose traceback holds the pass's memory
+        if out_of_memory:
+            self._shrink(lane)
+        self._drop_finished(lane)
+
+    def _end_abandoned_waiters(self):
+        with self._condition:
+            abandoned = [sequence for sequence in self._waiting if sequence.abandoned]
+            for sequence in abandoned:
+                self._waiting.remove(sequence)
+        self._end_abandoned(abandoned)
+
+    def _joining(self, lane):
+        """The lane's waiting sequences that join at this step boundary, in order, under the
+        prefill token budget and, after an out-of-memory, the room the device showed it has."""
         joining, budget = [], self.prefill_tokens_per_step
-        room = (self.capacity or float("inf")) - len(self.live)
-        if self.live and not self._merges:
+        room = (lane.capacity or float("inf")) - len(lane.live)
+        if lane.live and not lane.merges:
             return joining  # this model decodes one sequence at a time
-        while self._waiting and len(joining) < room:
-            sequence = self._waiting[0]
-            if sequence.closed.is_set():
-                self._waiting.popleft()._end()
-                continue
-            if joining and len(sequence.context_ids) > budget:
-                break
-            joining.append(self._waiting.popleft())
-            budget -= len(sequence.context_ids)
+        with self._condition:
+            for sequence in list(self._waiting):
+                if len(joining) >= room or (joining and len(sequence.context_ids) > budget):
+                    break
+                if self.lane_of(sequence) is lane:
+                    self._waiting.remove(sequence)
+                    joining.append(sequence)
+                    budget -= len(sequence.context_ids)
         return joining
 
-    def _admit_or_requeue(self, sequence):
-        """Admit; out of device memory, wait for room (or, with nothing else decoding, end with
-        a 503: it does not fit even alone); any other failure ends this sequence alone."""
-        try:
-            self._admit(sequence)
-        except torch.OutOfMemoryError:
-            _free_device_memory()
-            if not self.live:
-                sequence._end(does_not_fit(len(sequence.context_ids)))
-                return
-            log.warning("out of device memory admitting a sequence: at most %d decode together for now", len(self.live))
-            self.capacity = len(self.live)
-            self._requeue([sequence])
-        except Exception as error:
-            log.exception("a sequence could not join the decode")
-            sequence._end(error)
+    def _admit(self, lane, joining):
+        """Prefill each joiner alone and merge it; then, with everyone seated, sample each one's
+        first token (so `shared_at_first_token` is known before the token is seen). A joiner
+        that does not fit waits again (or, alone, ends with a 503); a model whose cache cannot
+        merge takes one sequence at a time."""
+        admitted = []
+        for index, sequence in enumerate(joining):
+            logits = self._prefill_and_merge(lane, sequence)
+            if logits is _WAIT:  # no room: it and the joiners after it wait
+                self._requeue(joining[index:])
+                break
+            if logits is not _ENDED:
+                admitted.append((sequence, logits))
+        for sequence, logits in admitted:
+            if not sequence.produced:
+                sequence.shared_at_first_token = len(lane.live) > 1
+            self._sample(sequence, logits)
 
-    def _shrink(self):
-        """Out of device memory in a step: the newer half of the live sequences go back to wait
-        (each joins again later from its prompt and the tokens it made so far), and no more than
-        the rest decode together until the batch empties."""
+    def _prefill_and_merge(self, lane, sequence):
+        """The joiner's logits once it is a row of the lane; _WAIT when it must wait, _ENDED
+        when it cannot fit even alone."""
+        if not lane.live and (lane.decoder is None or lane.decoder.runtime is not sequence.runtime):
+            lane.decoder = self.decoder_class(sequence.runtime)
+        if lane.live and not lane.merges:
+            return _WAIT
+        context = sequence.context_ids
+        try:
+            cache, logits = lane.decoder.prefill(context)
+            lane.decoder.merges = BatchedDecoder.mergeable(cache)
+            if lane.live and not lane.decoder.merges:
+                return _WAIT
+            lane.decoder.admit(cache, len(context))
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        else:
+            out_of_memory = False
+        if out_of_memory:  # outside the except block, whose traceback holds the prefill's memory
+            cache = logits = None
+            _free_device_memory()
+            if not lane.live:
+                sequence.failure = does_not_fit(len(context))
+                self._end_abandoned([sequence])
+                return _ENDED
+            log.warning("out of device memory admitting a sequence: at most %d decode together for now", len(lane.live))
+            lane.capacity = len(lane.live)
+            return _WAIT
+        lane.live.append(sequence)
+        return logits
+
+    def _shrink(self, lane):
+        """Out of device memory in a step: the step may have grown some layers of the cache and
+        not others, so the lane starts again: every live sequence waits again (each joins
+        again from its prompt and the tokens it made so far), at most half as many together."""
         _free_device_memory()
-        if len(self.live) == 1:
-            self.live[0]._end(does_not_fit(len(self.live[0].context_ids)))
-            self.live, self.decoder = [], None
+        live, lane.live, lane.decoder = lane.live, [], None
+        if len(live) == 1:
+            live[0].failure = does_not_fit(len(live[0].context_ids))
+            self._end_abandoned(live)
             return
-        keep = len(self.live) // 2
-        log.warning("out of device memory in a step of %d sequences: %d go back to wait", len(self.live),
-                    len(self.live) - keep)
-        preempted = self.live[keep:]
-        self.decoder.drop(list(range(keep, len(self.live))))
-        self.live, self.capacity = self.live[:keep], keep
-        self._requeue(preempted)
+        lane.capacity = max(1, len(live) // 2)
+        log.warning("out of device memory in a step of %d sequences: at most %d decode together until the lane empties",
+                    len(live), lane.capacity)
+        self._requeue(live)
 
     def _requeue(self, sequences):
         with self._condition:
             self._waiting.extendleft(reversed(sequences))
 
-    @property
-    def _merges(self):
-        return self.decoder is None or self.decoder.merges is not False
+    @staticmethod
+    def _end_abandoned(sequences):
+        for sequence in sequences:
+            sequence._end(sequence.failure)
 
-    def _admit(self, sequence):
-        """Prefill alone, merge into the batch, sample the first token; a sequence of a model
-        whose cache cannot merge goes back to wait while another one decodes."""
-        if not self.live and (self.decoder is None or self.decoder.runtime is not sequence.runtime):
-            self.decoder = self.decoder_class(sequence.runtime)
-        if self.live and not self._merges:
-            self._requeue([sequence])
-            return
-        context = sequence.context_ids
-        cache, logits = self.decoder.prefill(context)
-        self.decoder.merges = BatchedDecoder.mergeable(cache)
-        if self.live and not self.decoder.merges:
-            self._requeue([sequence])
-            return
-        self.decoder.admit(cache, len(context))
-        self.live.append(sequence)
-        if not sequence.produced:
-            sequence.shared_at_first_token = len(self.live) > 1
-        self._sample(sequence, logits)
+    @staticmethod
+    def _fail_live(lane, error):
+        live, lane.live, lane.decoder = lane.live, [], None
+        for sequence in live:
+            sequence._end(error)
 
-    def _step(self):
-        logits = self.decoder.step([sequence.produced[-1] for sequence in self.live])
+    def _step(self, lane):
+        logits = lane.decoder.step([sequence.produced[-1] for sequence in lane.live])
         self.steps += 1
-        shared = len(self.live) > 1
-        for row, sequence in enumerate(self.live):
+        shared = len(lane.live) > 1
+        for row, sequence in enumerate(lane.live):
             sequence.shared = sequence.shared or shared
             self._sample(sequence, logits[row])
 
     def _sample(self, sequence, logits):
-        token_id = sequence.runtime._sample(logits, sequence.temperature, sequence.top_p, sequence.generator)
+        """Sample one row with the sequence's own generator; a failure ends this sequence alone."""
+        try:
+            token_id = sequence.runtime._sample(logits, sequence.temperature, sequence.top_p, sequence.generator)
+        except Exception as error:
+            log.exception("sampling a sequence failed; it ends alone")
+            sequence.failure = error
+            return
         sequence._emit(token_id)
 
-    def _drop_finished(self):
-        finished = [row for row, sequence in enumerate(self.live) if sequence.done]
+    def _drop_finished(self, lane):
+        finished = [row for row, sequence in enumerate(lane.live) if sequence.done]
         if not finished:
             return
-        self.decoder.drop(finished)
-        for row in finished:
-            self.live[row]._end()
-        self.live = [sequence for row, sequence in enumerate(self.live) if row not in set(finished)]
-        if not self.live:
-            self.capacity = None  # the device has all its memory back: try full width again
+        lane.decoder.drop(finished)
+        self._end_abandoned([lane.live[row] for row in finished])
+        lane.live = [sequence for row, sequence in enumerate(lane.live) if row not in set(finished)]
+        if not lane.live:
+            lane.capacity = None  # the device has all its memory back: try full width again
 
 
 def does_not_fit(tokens):
@@ -273,6 +353,8 @@ class SeatedRuntime:
         self.sequences = []
 
     def __getattr__(self, name):
+        if name in _NOT_SEATED:
+            raise AttributeError(f"{name} runs the whole model: a seated request only generates")
         return getattr(self._runtime, name)
 
     @property
@@ -289,7 +371,7 @@ class SeatedRuntime:
             self._runtime, prompt_ids, max_new_tokens, temperature, top_p, seed,
             lambda: cancelled() or stopped(), self._interactive,
         )
-        if max_new_tokens <= 0:
+        if max_new_tokens <= 0 or self._stopped():
             return
         self.sequences.append(sequence)
         self._scheduler.submit(sequence)

@@ -34,7 +34,7 @@ class Seating:
         self.slot = AdmissionSlot(self.seats, settings.MAX_PENDING_REQUESTS)
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.service_threads = ThreadPoolExecutor(self.seats, thread_name_prefix="service")
-        self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP)
+        self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP, settings.ENGINE_BATCH_ROWS_BESIDE_CHATS)
 
     @property
     def batched(self):
@@ -80,7 +80,11 @@ class Seating:
         except asyncio.CancelledError:
             if on_cancel is not None:
                 on_cancel()
-            await asyncio.wait({work})
+            while not work.done():  # a second cancel (a shutdown) must not hand the seat on early
+                try:
+                    await asyncio.wait({work})
+                except asyncio.CancelledError:
+                    continue
             raise
 
     def shutdown(self):

@@ -71,7 +71,8 @@ def test_a_chat_sent_while_16_rows_decode_streams_before_the_batch_ends(seated):
         progress = client.batches.retrieve(batch.id)  # read after the first token arrived
         rest = list(events)
     assert first_content["object"] == "chat.completion.chunk"
-    assert response.headers["X-miLLM-Backend"] == "batched"
+    # On a CPU (ENGINE_BATCH_ROWS_BESIDE_CHATS auto: pause) the rows pause while the chat decodes.
+    assert response.headers["X-miLLM-Backend"] == "serial"
     assert progress.status == "in_progress" and progress.request_counts.completed < 48
     assert rest and rest[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert client.batches.retrieve(batch.id).status == "in_progress"  # the whole chat ended while rows decode

@@ -96,3 +96,77 @@ def test_a_cancelled_waiter_leaves_the_queue_and_the_slot_moves_on():
 
     slot = run(scenario())
     assert slot.holding == 1 and slot.waiting == 0
+
+
+# --- seats (SPEC 8a) ---
+
+
+def test_generation_sequences_share_seats_and_a_whole_model_request_waits_for_all_of_them():
+    async def scenario():
+        slot = AdmissionSlot(3, 10)
+        for _ in range(3):
+            await slot.acquire(shared=True)
+        assert slot.shared_holding == 3
+        scoring = asyncio.create_task(slot.acquire())  # exclusive: the whole model
+        await asyncio.sleep(0)
+        slot.release(True, 0.1, shared=True)
+        await asyncio.sleep(0)
+        assert not scoring.done()  # two sequences still decode
+        slot.release(True, 0.1, shared=True)
+        slot.release(True, 0.1, shared=True)
+        await scoring
+        return slot
+
+    slot = run(scenario())
+    assert slot.exclusive and slot.holding == 1
+
+
+def test_batch_rows_never_take_the_last_seat():
+    async def scenario():
+        slot = AdmissionSlot(4, 10)
+        for _ in range(3):
+            await slot.acquire(interactive=False, shared=True)
+        fourth_row = asyncio.create_task(slot.acquire(interactive=False, shared=True))
+        await asyncio.sleep(0)
+        assert not fourth_row.done()  # the last seat stays free for a chat
+        await slot.acquire(interactive=True, shared=True)  # a chat finds it at once
+        fourth_row.cancel()
+        return slot
+
+    slot = run(scenario())
+    assert slot.background_shared == 3 and slot.shared_holding == 4
+
+
+def test_a_waiter_that_gives_up_at_the_head_of_the_line_lets_the_others_through():
+    async def scenario():
+        slot = AdmissionSlot(4, 10)
+        await slot.acquire(shared=True)
+        embedding = asyncio.create_task(slot.acquire())  # waits for the whole model
+        await asyncio.sleep(0)
+        chat = asyncio.create_task(slot.acquire(shared=True))  # behind it, in arrival order
+        await asyncio.sleep(0)
+        assert not chat.done()
+        embedding.cancel()
+        await asyncio.sleep(0)
+        await asyncio.wait_for(chat, 1)  # granted without waiting for a release
+        return slot
+
+    slot = run(scenario())
+    assert slot.shared_holding == 2
+
+
+def test_queue_full_counts_the_seats_beside_max_pending():
+    async def scenario():
+        slot = AdmissionSlot(2, 2)  # two seats, one more may wait: 2 + 2 - 1
+        await slot.acquire(shared=True)
+        await slot.acquire(shared=True)
+        waiter = asyncio.create_task(slot.acquire(shared=True))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as caught:
+            await slot.acquire(shared=True)
+        waiter.cancel()
+        return caught.value
+
+    full = run(scenario())
+    assert (full.pending, full.limit, full.max_pending) == (3, 3, 2)
+    assert "2 seats" in full.beside_seats

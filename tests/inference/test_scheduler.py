@@ -56,7 +56,7 @@ def test_batched_greedy_tokens_equal_one_at_a_time_tokens(resident, scheduler):
         assert tokens == alone(resident, prompt, n), prompt
     assert scheduler.steps < sum(lengths)  # rows shared their forward passes
     assert any(seated.shared for _, seated in results)
-    assert scheduler.live == [] and scheduler.decoder.rows == 0
+    assert scheduler.live == []
 
 
 def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_others(resident, scheduler):
@@ -70,7 +70,7 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_others(r
 def test_closing_one_sequence_ends_it_and_not_the_others(resident, scheduler):
     """A stop sequence (the consumer closes its tokens) frees its row; the others go on."""
     seated_short = SeatedRuntime(resident, scheduler, interactive=True)
-    seated_long = SeatedRuntime(resident, scheduler, interactive=False)
+    seated_long = SeatedRuntime(resident, scheduler, interactive=True)
     long_tokens = seated_long.generate(resident.encode(PROMPTS[3]), 24, 0.0, 1.0, None)
     first = next(long_tokens)
     short_tokens = seated_short.generate(resident.encode(PROMPTS[1]), 24, 0.0, 1.0, None)
@@ -132,4 +132,42 @@ def test_out_of_memory_in_a_step_shrinks_the_batch_and_every_sequence_still_ends
     assert _OutOfMemoryAtWidth.failures == 1
     for prompt, (tokens, _) in zip(PROMPTS, results):
         assert tokens == alone(resident, prompt, 16), prompt
-    assert scheduler.capacity is None and scheduler.live == []
+    assert scheduler.chats.capacity is None and scheduler.live == []
+
+
+def test_a_sequence_whose_sampling_fails_ends_alone(resident, scheduler):
+    broken = SeatedRuntime(resident, scheduler, interactive=True)
+    healthy = SeatedRuntime(resident, scheduler, interactive=True)
+    tokens = healthy.generate(resident.encode(PROMPTS[3]), 20, 0.0, 1.0, None)
+    first = next(tokens)
+    with pytest.raises(RuntimeError):  # a temperature that makes every probability NaN
+        list(broken.generate(resident.encode(PROMPTS[0]), 20, float("nan"), 1.0, 5))
+    rest = [token.token_id for token in tokens]
+    assert [first.token_id] + rest == alone(resident, PROMPTS[3], 20)
+
+
+def test_a_seated_request_never_runs_a_whole_model_forward_pass(resident, scheduler):
+    seated = SeatedRuntime(resident, scheduler, interactive=True)
+    with pytest.raises(AttributeError, match="whole model"):
+        seated.last_logits(resident.encode("hi"))
+    assert seated.context_length == resident.context_length
+
+
+@pytest.mark.parametrize("mode", ["pause", "decode"])
+def test_batch_rows_pause_while_a_chat_decodes_or_share_its_steps(resident, mode):
+    """ENGINE_BATCH_ROWS_BESIDE_CHATS: "pause" runs a chat's steps without the batch rows (which
+    resume after it, with the tokens they would have made anyway); "decode" runs them together."""
+    scheduler = StepScheduler(4096, batch_rows_beside_chats=mode)
+    rows = [SeatedRuntime(resident, scheduler, interactive=False) for _ in range(3)]
+    streams = [row.generate(resident.encode(prompt), 300, 0.0, 1.0, None) for row, prompt in zip(rows, PROMPTS[1:4])]
+    firsts = [next(stream) for stream in streams]
+    chat = SeatedRuntime(resident, scheduler, interactive=True)
+    chat_tokens = [token.token_id for token in chat.generate(resident.encode(PROMPTS[0]), 12, 0.0, 1.0, None)]
+    rows_live_after_the_chat = len(scheduler.rows.live)
+    assert chat_tokens == alone(resident, PROMPTS[0], 12)
+    assert chat.shared is (mode == "decode")
+    if mode == "pause":
+        assert rows_live_after_the_chat == 3  # paused, not finished
+    for first, stream, prompt in zip(firsts, streams, PROMPTS[1:4]):
+        assert [first.token_id] + [token.token_id for token in stream] == alone(resident, prompt, 300)
+    assert all(row.shared for row in rows)
