@@ -177,9 +177,7 @@ class StepScheduler:
         self._end_abandoned_waiters()
         for lane in (self.chats, self.rows):
             self._drop_finished(lane)
-        with self._condition:
-            chats_first = self.chats.live or any(self.lane_of(waiting) is self.chats for waiting in self._waiting)
-        lane = self.chats if chats_first else self.rows
+        lane = self.chats if self.chats.live or self._chat_waiting() else self.rows
         self._admit(lane, self._joining(lane))
         self._drop_finished(lane)
         if not lane.live:
@@ -224,6 +222,9 @@ class StepScheduler:
         merge takes one sequence at a time."""
         admitted = []
         for index, sequence in enumerate(joining):
+            if index and lane is not self.chats and self._chat_waiting():
+                self._requeue(joining[index:])  # a chat came during the rows' prefills: it goes first
+                break
             logits = self._prefill_and_merge(lane, sequence)
             if logits is _WAIT:  # no room: it and the joiners after it wait
                 self._requeue(joining[index:])
@@ -234,6 +235,10 @@ class StepScheduler:
             if not sequence.produced:
                 sequence.shared_at_first_token = len(lane.live) > 1
             self._sample(sequence, logits)
+
+    def _chat_waiting(self):
+        with self._condition:
+            return any(self.lane_of(waiting) is self.chats for waiting in self._waiting)
 
     def _prefill_and_merge(self, lane, sequence):
         """The joiner's logits once it is a row of the lane; _WAIT when it must wait, _ENDED
