@@ -130,6 +130,8 @@ if ENGINE_STALE_S <= ENGINE_HEARTBEAT_S:
         f"ENGINE_STALE_S ({ENGINE_STALE_S}) must be greater than ENGINE_HEARTBEAT_S ({ENGINE_HEARTBEAT_S})"
     )
 
+# SPEC 8's slot count, kept so a deployment that sets it still starts; no longer used: whole-model
+# requests run one at a time and generation takes ENGINE_MAX_SEQUENCES seats (SPEC 8a).
 MAX_CONCURRENT_REQUESTS = envint("MAX_CONCURRENT_REQUESTS", 1, minimum=1, maximum=64)
 MAX_PENDING_REQUESTS = envint("MAX_PENDING_REQUESTS", 10, minimum=1)
 # Generation sequences decoding together (SPEC 8a); 1 is the seed's one-at-a-time engine. On a GPU

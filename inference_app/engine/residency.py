@@ -183,7 +183,7 @@ class Residency:
                 if model_id:
                     await self._model_event("model:load:progress", model_id, stage="loading weights")
                 await asyncio.get_running_loop().run_in_executor(
-                    self.worker.executor, self._swap_in_thread, model_id, startup
+                    self.worker.seating.model_thread, self._swap_in_thread, model_id, startup
                 )
             except Exception as error:
                 await self._model_event("model:load:error", model_id, error=str(error)[:500])
@@ -249,7 +249,7 @@ class Residency:
                 await sync_to_async(check_lease_allows)(model_id, message.get("lease"), WEIGHT_ACTIONS[op])
                 async with self.worker.slot.hold(interactive=True, limited=False):
                     body = await asyncio.get_running_loop().run_in_executor(
-                        self.worker.executor, self._weights_in_thread, op, message
+                        self.worker.seating.model_thread, self._weights_in_thread, op, message
                     )
         except ApiError as error:
             await send_to(layer, message["reply"], {"type": "error", "error": error.to_wire()})

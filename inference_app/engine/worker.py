@@ -9,11 +9,12 @@
 Small sync methods (register, try_become_active, load, heartbeat, unregister) touch the
 database and return plain values, so tests call them on the Worker without processes; `serve()`
 is the asyncio loop. Companions (the batch runner) use only the Worker's face: `engine_id`,
-`source`, `runtime`, `weights_torn`, `slot`, `executor`, `stopping`, `nap()`, `wake()`,
+`source`, `runtime`, `weights_torn`, `seating`, `stopping`, `nap()`, `wake()`,
 `probes_for()`.
 
 Threads: the event loop receives messages and schedules; database work runs in asgiref's one
-sync thread (sync_to_async); forward passes run in the model executor, one per slot.
+sync thread (sync_to_async); forward passes run in the seating's model thread (the whole
+model) or in the step scheduler's decode thread (seated generation).
 """
 
 import asyncio
@@ -53,7 +54,6 @@ class Worker:
         self.residency = Residency(self)
         self.seating = Seating(self.residency)
         self.slot = self.seating.slot
-        self.executor = self.seating.model_thread
         self.serving = Serving(self)
         self.companions = [factory(self) for factory in companions]
 
