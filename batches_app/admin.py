@@ -7,7 +7,7 @@ from django.utils.html import format_html
 
 from batches_app import events
 from batches_app.models import Batch
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.gateway import wake_engines
 
 

@@ -7,7 +7,7 @@ from django.conf import settings
 
 from batches_app import events
 from batches_app.models import Batch
-from millm_site.middleware import key_is_valid
+from millm_lib.keys import key_is_valid, socket_key
 
 
 class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
@@ -42,10 +42,5 @@ class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
         if not keys:
             return True
         headers = dict(self.scope.get("headers") or [])
-        header = headers.get(b"authorization", b"").decode("latin-1")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not token:
-            from urllib.parse import parse_qs
-
-            token = (parse_qs(self.scope.get("query_string", b"").decode()).get("token") or [""])[0]
+        token = socket_key(headers.get(b"authorization", b""), self.scope.get("query_string", b""))
         return bool(token) and key_is_valid(token, keys)

@@ -8,14 +8,15 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from batches_app.models import ENDPOINTS, Batch
+from batches_app.models import Batch
 from files_app.models import File, IdempotencyKey
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.leases import lease_expired, model_leased, presented_lease
-from inference_app.models import Lease, new_id
+from millm_lib.ids import new_id
+from millm_lib.limits import BATCH_ENDPOINTS, EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
+from inference_app.models import Lease
 
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
-OUTPUT_EXPIRY_RANGE = (3_600, 2_592_000)
 KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window", "batched_decoding"}
 
 
@@ -34,8 +35,8 @@ def create_batch(body, lease_header=None, idempotency_key=None):
         raise refuse(f"Unknown field '{unknown[0]}'; a batch takes {', '.join(sorted(KNOWN))}", unknown[0])
     input_file = _input_file(body.get("input_file_id"))
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
-        raise refuse(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", "endpoint")
+    if endpoint not in BATCH_ENDPOINTS:
+        raise refuse(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}", "endpoint")
     window_hours = _window(body.get("completion_window"))
     metadata = _metadata(body.get("metadata"))
     output_expiry = _output_expiry(body.get("output_expires_after"))
@@ -118,7 +119,7 @@ def _metadata(value):
 def _output_expiry(value):
     if value is None:
         return None
-    low, high = OUTPUT_EXPIRY_RANGE
+    low, high = EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S
     if not isinstance(value, dict) or value.get("anchor") != "created_at":
         raise refuse('output_expires_after must be {"anchor": "created_at", "seconds": N}', "output_expires_after.anchor")
     seconds = value.get("seconds")

@@ -9,11 +9,11 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from files_app.models import File
-from inference_app.errors import ApiError
-from inference_app.models import Lease, new_id
-from millm_site.pagination import cursor_page
+from millm_lib.errors import ApiError
+from millm_lib.ids import new_id
+from inference_app.models import Lease
+from millm_lib.pagination import cursor_page
 
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score"]
 
 
 class FencedOut(Exception):

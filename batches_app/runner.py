@@ -25,14 +25,14 @@ from batches_app import assembly, events, validation
 from batches_app.models import Batch, BatchRow, FencedOut
 from inference_app.engine import packing, services
 from inference_app.engine.seating import NOT_RUN
-from inference_app.errors import ApiError, internal_error
-from inference_app.models import Engine, Lease, new_id
-from inference_app.schemas import PROBE_SCORE, parse_request
+from millm_lib.errors import ApiError, internal_error
+from millm_lib.ids import new_id
+from inference_app.models import Engine, Lease
+from inference_app.schemas import parse_request
+from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCORE
 
 log = logging.getLogger("millm.batches")
 
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-PACKABLE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 PROGRESS_LOG_S = 5.0
 
 

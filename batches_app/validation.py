@@ -16,9 +16,11 @@ from django.db import transaction
 from batches_app.models import Batch, BatchRow
 from files_app.models import file_storage
 from inference_app.catalogue import resolve
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.models import Engine, Lease
-from inference_app.schemas import PROBE_SCORE, parse_request, plainly_usable, unusable_text
+from millm_lib.jsonbody import plainly_usable, unusable_text
+from inference_app.schemas import parse_request
+from millm_lib.limits import PROBE_SCORE
 
 log = logging.getLogger("millm.batches")
 

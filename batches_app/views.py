@@ -7,11 +7,11 @@ from rest_framework.response import Response
 from batches_app import events
 from batches_app.creation import create_batch
 from batches_app.models import Batch
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.gateway import wake_engines
 from inference_app.leases import LEASE_HEADER
-from millm_site.openapi import batch_viewset_schema
-from millm_site.pagination import list_page, query_int
+from millm_lib.openapi import batch_viewset_schema
+from millm_lib.pagination import list_page, query_int
 
 
 @batch_viewset_schema

@@ -9,9 +9,9 @@ from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
-from inference_app.errors import ApiError
-from inference_app.models import new_id
-from millm_site.pagination import cursor_page
+from millm_lib.errors import ApiError
+from millm_lib.ids import new_id
+from millm_lib.pagination import cursor_page
 
 log = logging.getLogger(__name__)
 

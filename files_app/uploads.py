@@ -11,7 +11,7 @@ from django.core.files.uploadedfile import TemporaryUploadedFile
 from django.core.files.uploadhandler import FileUploadHandler
 
 from files_app.models import disk_full
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 
 FILE_FIELD = "file"
 

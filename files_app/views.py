@@ -9,12 +9,10 @@ from rest_framework.response import Response
 
 from files_app.models import File, IdempotencyKey, disk_full
 from files_app.uploads import BatchFileUploadHandler
-from inference_app.errors import ApiError
-from millm_site.openapi import file_viewset_schema
-from millm_site.pagination import list_page, query_choice, query_int
-
-EXPIRES_AFTER_RANGE = (3_600, 2_592_000)
-
+from millm_lib.errors import ApiError
+from millm_lib.openapi import file_viewset_schema
+from millm_lib.limits import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
+from millm_lib.pagination import list_page, query_choice, query_int
 
 @file_viewset_schema
 class FileViewSet(viewsets.ViewSet):
@@ -103,7 +101,7 @@ def _expires_after(data):
     if anchor != "created_at":
         raise ApiError(400, "invalid_batch_request", f"expires_after[anchor] must be 'created_at', got {anchor!r}",
                        param="expires_after[anchor]")
-    low, high = EXPIRES_AFTER_RANGE
+    low, high = EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S
     try:
         value = int(seconds)
     except (TypeError, ValueError):

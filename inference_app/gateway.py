@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from inference_app.catalogue import model_not_loaded, model_not_resident, resolve
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.models import Engine
 
 

@@ -2,7 +2,7 @@
 
 import re
 
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.models import Lease
 
 LEASE_HEADER = "X-miLLM-Lease"

@@ -7,10 +7,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
-
-def new_id(prefix):
-    """SPEC 1: a prefix and 24 hex characters."""
-    return f"{prefix}{secrets.token_hex(12)}"
+from millm_lib.ids import new_id
 
 
 class ModelEntry(models.Model):

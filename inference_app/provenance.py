@@ -2,6 +2,8 @@
 
 import http_sfv
 
+from millm_lib.limits import CHAT
+
 IGNORED_FIELDS_MAX_BYTES = 1024
 
 
@@ -17,7 +19,7 @@ def provenance_headers(model_id, endpoint, request=None, ignored=()):
         item = http_sfv.Item(seed)
         item.params["scope"] = "request"
         headers["X-miLLM-Seed"] = str(item)
-    if endpoint == "/v1/chat/completions":
+    if endpoint == CHAT:
         headers["X-miLLM-Batch"] = "1"
     if ignored:
         headers["X-miLLM-Ignored-Fields"] = ignored_fields_header(ignored)

@@ -12,9 +12,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from inference_app import gateway, metrics
 from inference_app.catalogue import parse_load_policy, requestable, resolve
 from inference_app.leases import LEASE_HEADER
-from inference_app.errors import ApiError, json_response, require_json
+from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.models import Engine, Lease
-from inference_app.schemas import decode_json, parse_request, parse_strict_header
+from millm_lib.jsonbody import decode_json
+from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS
+from inference_app.schemas import parse_request, parse_strict_header
 
 
 async def _infer(request, endpoint):
@@ -51,19 +53,19 @@ async def _sse(messages):
 @csrf_exempt
 @require_POST
 async def chat_completions(request):
-    return await _infer(request, "/v1/chat/completions")
+    return await _infer(request, CHAT)
 
 
 @csrf_exempt
 @require_POST
 async def completions(request):
-    return await _infer(request, "/v1/completions")
+    return await _infer(request, COMPLETIONS)
 
 
 @csrf_exempt
 @require_POST
 async def embeddings(request):
-    return await _infer(request, "/v1/embeddings")
+    return await _infer(request, EMBEDDINGS)
 
 
 @csrf_exempt  # no cookie session here: a wrong method is 405, never a CSRF 403

@@ -8,7 +8,7 @@ The file retention sweep removes any a crash left behind.
 from django.core.files.base import File
 from django.core.files.storage import storages
 
-from inference_app.models import new_id
+from millm_lib.ids import new_id
 
 PREFIX = "weights-uploads"
 

@@ -1,7 +1,6 @@
 """Cross-cutting HTTP behaviour: request ids, bearer keys, the error envelopes, metrics, and a
 body-size guard that refuses a declared oversize body before it is read."""
 
-import hmac
 import json
 import logging
 import re
@@ -13,30 +12,24 @@ from django.core.exceptions import RequestDataTooBig
 from django.utils.module_loading import import_string
 
 from inference_app import metrics
-from inference_app.errors import (
+from millm_lib.errors import (
     ApiError,
     error_response,
+    is_management,
+    is_v1,
     internal_error,
     method_not_allowed,
     not_found_route,
     request_too_large,
 )
-from inference_app.models import new_id
+from millm_lib.ids import new_id
+from millm_lib.keys import bearer_token, key_is_valid
 from files_app.uploads import file_limit
 
 log = logging.getLogger("millm.web")
 
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
-_HEALTH_PATHS = ("/api/health",)
 _UPLOAD_PATHS = ("/v1/files",)
-
-
-def is_v1(path):
-    return path == "/v1" or path.startswith("/v1/")
-
-
-def is_management(path):
-    return path.startswith("/api/") and not path.startswith(_HEALTH_PATHS)
 
 
 def needs_key(path):
@@ -234,8 +227,7 @@ class ApiKeyMiddleware(Middleware):
         keys = settings.MILLM_API_KEYS
         if not keys or not needs_key(request.path):
             return None
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token = bearer_token(request.headers.get("Authorization", ""))
         if token and key_is_valid(token, keys):
             return None
         reason = "wrong" if token else "missing"
@@ -269,14 +261,6 @@ class UrlGuardMiddleware(Middleware):
                      "which no id or value here can hold", param=where),
             request.request_id,
         )
-
-
-def key_is_valid(token, keys):
-    # Compared in constant time against every key, so timing says nothing about which matched.
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token.encode(), key.encode())
-    return matched
 
 
 class BodyLimitASGI:

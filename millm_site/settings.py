@@ -176,20 +176,20 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["millm_site.drf.JSONParser"],
-    "EXCEPTION_HANDLER": "millm_site.drf.exception_handler",
+    "DEFAULT_PARSER_CLASSES": ["millm_lib.drf.JSONParser"],
+    "EXCEPTION_HANDLER": "millm_lib.drf.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 
 # The OpenAPI schema at /api/schema/: drf-spectacular documents the DRF viewsets (files,
-# batches); millm_site.openapi.add_plain_views documents every other route from the URL resolver.
+# batches); millm_lib.openapi.add_plain_views documents every other route from the URL resolver.
 SPECTACULAR_SETTINGS = {
     "TITLE": "miServer",
     "DESCRIPTION": "An OpenAI-compatible inference server for one resident model, with a durable Batch API.",
     "VERSION": VERSION,
     "OAS_VERSION": "3.1.0",
     "SERVE_INCLUDE_SCHEMA": True,
-    "POSTPROCESSING_HOOKS": ["millm_site.openapi.add_plain_views"],
+    "POSTPROCESSING_HOOKS": ["millm_lib.openapi.add_plain_views"],
 }
 
 # File bytes: a folder under MILLM_DATA_DIR, or an S3 bucket with django-storages' AWS_* settings.

@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from inference_app.events import socketio_channel
-from millm_site.middleware import key_is_valid
+from millm_lib.keys import key_is_valid, socket_key
 
 ALL_ROOM = "batches"
 MODELS_ROOM = "models"  # model:load:progress, model:load:complete, model:load:error, model:unload:complete
@@ -28,15 +28,8 @@ sio = socketio.AsyncServer(
 async def connect(sid, environ, auth):
     keys = settings.MILLM_API_KEYS
     if keys:
-        token = (auth or {}).get("token") if isinstance(auth, dict) else None
-        if not token:
-            header = environ.get("HTTP_AUTHORIZATION", "")  # Authorization: Bearer <key>, as on HTTP routes
-            token = header[7:].strip() if header[:7].lower() == "bearer " else None
-        if not token:
-            from urllib.parse import parse_qs
-
-            token = (parse_qs(environ.get("QUERY_STRING", "")).get("token") or [""])[0]
-        if not token or not isinstance(token, str) or not key_is_valid(token, keys):
+        token = socket_key(environ.get("HTTP_AUTHORIZATION", ""), environ.get("QUERY_STRING", ""), auth)
+        if not token or not key_is_valid(token, keys):
             raise socketio.exceptions.ConnectionRefusedError("a bearer key from MILLM_API_KEYS is needed")
     await sio.enter_room(sid, ALL_ROOM)
     await sio.enter_room(sid, MODELS_ROOM)

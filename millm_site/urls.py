@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from millm_site.openapi import SchemaView
+from millm_lib.openapi import SchemaView
 
 urlpatterns = [
     path("admin/", admin.site.urls),

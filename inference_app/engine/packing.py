@@ -12,7 +12,8 @@ import torch
 from django.conf import settings
 
 from inference_app.engine import services
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
+from millm_lib.limits import EMBEDDINGS
 
 log = logging.getLogger("millm.engine")
 
@@ -62,7 +63,7 @@ def forward(runtime, parsed_rows, pack):
     try:
         first = parsed_rows[pack[0][0]]
         sequences = [ids for _, _, ids in pack]
-        if first.endpoint == services.EMBEDDINGS:
+        if first.endpoint == EMBEDDINGS:
             # Embedding rows of one chunk may differ in pooling: group by it within the pack.
             return _embed_by_pooling(runtime, parsed_rows, pack)
         return runtime.packed_last_logits(sequences)

@@ -23,7 +23,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from inference_app.models import Engine, Lease, ModelEntry
-from millm_site.db import conninfo
+from millm_lib.db import conninfo
 
 log = logging.getLogger("millm.engine")
 

@@ -30,7 +30,7 @@ from inference_app.engine import weights
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
 from inference_app.engine.serving import send_to, weights_torn
-from inference_app.errors import ApiError, internal_error
+from millm_lib.errors import ApiError, internal_error
 from inference_app.leases import check_lease_allows
 from inference_app.models import Engine, Lease, ModelEntry, Probe
 

@@ -27,7 +27,7 @@ import torch
 
 from inference_app.engine.decoding import BatchedDecoder
 from inference_app.engine.runtime import SampledToken
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 
 log = logging.getLogger("millm.engine")
 

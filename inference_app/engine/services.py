@@ -16,14 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference_app.errors import ApiError
-from inference_app.models import new_id
+from millm_lib.errors import ApiError
+from millm_lib.ids import new_id
+from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from inference_app.provenance import provenance_headers
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-PROBE_SCORE = "/api/probes/score"
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 

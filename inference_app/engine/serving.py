@@ -22,10 +22,12 @@ from inference_app.catalogue import model_not_found, model_not_loaded, model_not
 from inference_app.engine import services
 from inference_app.engine.admission import QueueFull
 from inference_app.engine.scheduler import SeatedRuntime
-from inference_app.errors import ApiError, internal_error
+from millm_lib.errors import ApiError, internal_error
 from inference_app.leases import check_lease_allows
 from inference_app.models import ModelEntry
-from inference_app.schemas import PROBE_SCORE, decode_json, parse_request
+from millm_lib.jsonbody import decode_json
+from inference_app.schemas import parse_request
+from millm_lib.limits import PROBE_SCORE
 
 log = logging.getLogger("millm.engine")
 

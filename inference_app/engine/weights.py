@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from inference_app.engine.loader import file_digest
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 
 CHECKPOINT_FILE = "model.safetensors"
 

@@ -31,7 +31,7 @@ from inference_app.engine.seating import Seating
 from inference_app.engine.presence import Presence
 from inference_app.engine.residency import Residency
 from inference_app.engine.serving import SHUTDOWN_GRACE_S, Serving
-from inference_app.models import new_id
+from millm_lib.ids import new_id
 
 log = logging.getLogger("millm.engine")
 

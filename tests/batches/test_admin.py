@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from batches_app.models import Batch
 from files_app.models import File
-from inference_app.models import new_id
+from millm_lib.ids import new_id
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from batches_app import events
 from batches_app.models import Batch
 from batches_app.routing import websocket_urlpatterns
 from files_app.models import File
-from inference_app.models import new_id
+from millm_lib.ids import new_id
 
 
 @pytest.fixture(autouse=True)

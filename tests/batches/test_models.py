@@ -11,8 +11,8 @@ from batches_app.models import Batch, BatchRow
 from batches_app.runner import reconcile_batches
 from files_app.models import File
 from files_app.retention import prune_files
-from inference_app.errors import ApiError
-from inference_app.models import new_id
+from millm_lib.errors import ApiError
+from millm_lib.ids import new_id
 
 
 @pytest.fixture(autouse=True)

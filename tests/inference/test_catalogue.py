@@ -2,7 +2,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from inference_app.catalogue import model_source, resolve
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.models import ModelEntry
 
 

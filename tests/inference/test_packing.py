@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from inference_app.engine import packing, services
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.schemas import parse_request
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog and keeps running far away", "A b c",

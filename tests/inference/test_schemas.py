@@ -1,7 +1,8 @@
 import pytest
 
-from inference_app.errors import ApiError
-from inference_app.schemas import decode_json, parse_request, parse_strict_header
+from millm_lib.errors import ApiError
+from millm_lib.jsonbody import decode_json
+from inference_app.schemas import parse_request, parse_strict_header
 
 CHAT = "/v1/chat/completions"
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

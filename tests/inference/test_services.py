@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from inference_app.engine import services
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 from inference_app.schemas import parse_request
 
 CHAT = "/v1/chat/completions"

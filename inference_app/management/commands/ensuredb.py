@@ -5,7 +5,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from psycopg import sql
 
-from millm_site.db import conninfo
+from millm_lib.db import conninfo
 
 
 class Command(BaseCommand):

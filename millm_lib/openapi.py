@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from inference_app import schemas as request_schemas
+from millm_lib.limits import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
 
 REF = "#/components/schemas/{model}"
 
@@ -422,7 +423,7 @@ class FileUpload(BaseModel):
     expires_after_anchor: Literal["created_at"] | SkipJsonSchema[None] = Field(
         None, alias="expires_after[anchor]", json_schema_extra=_no_default
     )
-    expires_after_seconds: Annotated[int, Field(ge=3_600, le=2_592_000)] | SkipJsonSchema[None] = Field(
+    expires_after_seconds: Annotated[int, Field(ge=EXPIRES_AFTER_MIN_S, le=EXPIRES_AFTER_MAX_S)] | SkipJsonSchema[None] = Field(
         None, alias="expires_after[seconds]", json_schema_extra=_no_default
     )
 
@@ -430,7 +431,7 @@ class FileUpload(BaseModel):
 class OutputExpiresAfter(BaseModel):
     model_config = ConfigDict(extra="forbid")
     anchor: Literal["created_at"]
-    seconds: Annotated[int, Field(ge=3_600, le=2_592_000)]
+    seconds: Annotated[int, Field(ge=EXPIRES_AFTER_MIN_S, le=EXPIRES_AFTER_MAX_S)]
 
 
 class BatchCreate(BaseModel):
@@ -885,11 +886,11 @@ def add_plain_views(result, generator, request, public):
     for path, view in plain_routes():
         documented = PLAIN_VIEWS.get(dotted(view))
         if documented is None:
-            raise ImproperlyConfigured(f"{path} ({dotted(view)}) has no entry in millm_site.openapi.PLAIN_VIEWS")
+            raise ImproperlyConfigured(f"{path} ({dotted(view)}) has no entry in millm_lib.openapi.PLAIN_VIEWS")
         item = paths.setdefault(path, {})
         for method in route_methods(view):
             if method not in documented:
-                raise ImproperlyConfigured(f"{method} {path} has no entry in millm_site.openapi.PLAIN_VIEWS")
+                raise ImproperlyConfigured(f"{method} {path} has no entry in millm_lib.openapi.PLAIN_VIEWS")
             item[method.lower()] = _operation(path, method, view, documented[method], components)
     components.ref(OpenAIError)
     components.ref(ManagementError)

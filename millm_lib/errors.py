@@ -11,6 +11,16 @@ import math
 from django.http import HttpResponse
 
 TYPE_BY_STATUS = {401: "authentication_error", 429: "rate_limit_error"}
+HEALTH_PATHS = ("/api/health",)
+
+
+def is_v1(path):
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def is_management(path):
+    """A management route answers in the management envelope; health answers in neither."""
+    return path.startswith("/api/") and not path.startswith(HEALTH_PATHS)
 
 
 class ApiError(Exception):

@@ -2,7 +2,7 @@
 
 from django.db.models import Q
 
-from inference_app.errors import ApiError
+from millm_lib.errors import ApiError
 
 
 def cursor_page(queryset, after=None, limit=20, order="desc"):

@@ -2,8 +2,8 @@
 
 from rest_framework import exceptions, parsers
 
-from inference_app.errors import ApiError, error_response
-from inference_app.schemas import decode_json
+from millm_lib.errors import ApiError, error_response, is_management
+from millm_lib.jsonbody import decode_json
 
 CODES = {
     exceptions.ParseError: "invalid_json",
@@ -34,8 +34,6 @@ def exception_handler(exc, context):
 
 def _management(context):
     """DRF serves /api/schema/ too: its errors take the management envelope (SPEC 2)."""
-    from millm_site.middleware import is_management
-
     request = context.get("request")
     return request is not None and is_management(request.path)
 
