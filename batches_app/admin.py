@@ -8,7 +8,6 @@ from django.utils.html import format_html
 from batches_app import events
 from batches_app.models import Batch
 from millm_lib.errors import ApiError
-from inference_app.gateway import wake_engines
 
 
 @admin.register(Batch)
@@ -42,8 +41,7 @@ class BatchAdmin(admin.ModelAdmin):
         if request.method == "POST":
             try:
                 batch.request_cancel()  # the very method POST /v1/batches/{id}/cancel calls
-                events.publish(batch)
-                wake_engines()
+                events.publish_and_wake(batch)
                 self.message_user(request, f"Cancelling {batch.id}.")
             except ApiError as error:
                 self.message_user(request, error.message, messages.WARNING)
@@ -59,13 +57,14 @@ class BatchAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel the selected batches")
     def cancel(self, request, queryset):
+        cancelling = []
         for batch in queryset:
             try:
                 batch.request_cancel()  # the very method POST /v1/batches/{id}/cancel calls
-                events.publish(batch)
+                cancelling.append(batch)
             except ApiError as error:
                 self.message_user(request, error.message, messages.WARNING)
-        wake_engines()
+        events.publish_and_wake(*cancelling)
 
     def has_add_permission(self, request):
         return False

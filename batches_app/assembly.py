@@ -7,12 +7,10 @@ import tempfile
 
 from django.conf import settings
 from django.core.files import File as DjangoFile
-from django.db import transaction
-from django.utils import timezone
 
+from batches_app import leasing
 from batches_app.models import Batch, BatchRow, FencedOut
 from files_app.models import File, file_storage
-from inference_app.models import Lease
 
 log = logging.getLogger("millm.batches")
 
@@ -58,6 +56,8 @@ def assemble(batch):
     A batch that failed at validation (it never reached in_progress) writes only its invalid
     lines; any other writes each input line exactly once across the two files.
     """
+    if batch.status not in Batch.UNFINISHED:
+        return batch  # assembled already: its files are recorded, nothing is written twice
     if batch.end_status:
         end = batch.end_status
     elif batch.status == Batch.Status.CANCELLING:
@@ -91,12 +91,15 @@ def assemble(batch):
         for spool in spools:
             spool.discard()
     try:
-        end = _record(batch, end, reached_progress, output_file, error_file)
+        end = batch.finish(end, output_file, error_file)
     except FencedOut:
         _remove_bytes(stored)  # certainly not recorded: another engine owns the batch now
         raise
-    if batch.lease_mode == "own" and batch.lease_id:
-        Lease.objects.end_all("the batch ended", pk=batch.lease_id)
+    if end is None:
+        _remove_bytes(stored)  # ended while we wrote (never by our own runner): the first files stand
+        batch.refresh_from_db()
+        return batch
+    leasing.release_own(batch, "the batch ended")
     batch.refresh_from_db()
     log.info("batch %s %s: %d completed, %d failed", batch.pk, end, batch.completed, batch.failed)
     return batch
@@ -110,21 +113,3 @@ def _remove_bytes(files):
             file_storage().delete(file.storage_name)
         except Exception:
             log.warning("could not remove the unrecorded bytes %s; the orphan sweep will", file.storage_name, exc_info=True)
-
-
-def _record(batch, end, reached_progress, output_file, error_file):
-    with transaction.atomic():
-        # The records are made with the batch's end, fenced: an engine that lost its claim
-        # leaves only bytes, which the orphan sweep removes; never a listed file no batch owns.
-        locked = batch.fenced()
-        for file in (output_file, error_file):
-            if file is not None:
-                file.save(force_insert=True)
-        if locked.status == Batch.Status.CANCELLING and end == Batch.Status.FAILED and not reached_progress:
-            end = Batch.Status.CANCELLED  # cancelled while validating: the cancel wins
-        stamp = {f"{end}_at": timezone.now()}
-        Batch.objects.filter(pk=batch.pk).update(
-            status=end, output_file=output_file, error_file=error_file, waiting_reason=None, **stamp
-        )
-        BatchRow.objects.filter(batch=batch).update(body=None)
-    return end

@@ -5,16 +5,15 @@ import re
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError
 from django.utils import timezone
 
+from batches_app import leasing
 from batches_app.models import Batch
 from files_app.models import File, IdempotencyKey
 from millm_lib.errors import ApiError
-from inference_app.leases import lease_expired, model_leased, presented_lease
 from millm_lib.ids import new_id
 from millm_lib.limits import BATCH_ENDPOINTS, EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
-from inference_app.models import Lease
 
 WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window", "batched_decoding"}
@@ -55,23 +54,17 @@ def create_batch(body, lease_header=None, idempotency_key=None):
         batched_decoding = settings.BATCH_DECODING_DEFAULT
     if not isinstance(batched_decoding, bool):
         raise refuse(f"batched_decoding must be true or false, got {batched_decoding!r}", "batched_decoding")
-    lease = _caller_lease(lease_header)
+    lease = leasing.lease_for_new_batch(lease_header)
     now = timezone.now()
     batch = Batch(
         id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],
         created_at=now, expires_at=now + timedelta(hours=window_hours), metadata=metadata,
         output_expires_after=output_expiry, pack=pack, pack_window=pack_window,
         batched_decoding=batched_decoding,
-        lease=lease, lease_mode="caller" if lease else None,
+        lease=lease, lease_mode=leasing.CALLER if lease else None,
     )
     try:
-        with transaction.atomic():
-            # Locked and checked again: a DELETE of this file cannot slip in before we commit.
-            File.objects.select_for_update().filter(pk=input_file.pk).first()
-            _input_file(input_file.pk)
-            batch.save(force_insert=True)
-            if idempotency_key:
-                IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=batch.pk)
+        batch.insert(idempotency_key, recheck_input=_input_file)
     except IntegrityError:
         existing = IdempotencyKey.lookup("batch", idempotency_key)
         if existing is None:
@@ -126,17 +119,3 @@ def _output_expiry(value):
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
         raise refuse(f"output_expires_after.seconds must be from {low:,} to {high:,}, got {seconds!r}", "output_expires_after.seconds")
     return seconds
-
-
-def _caller_lease(header):
-    """A presented lease: unknown 404, ended 409. Not presented: an outside holder's live lease
-    blocks the create (409); the server's own batch leases never do (batches queue)."""
-    presented = presented_lease(header)
-    if presented is not None:
-        if not presented.live:
-            raise lease_expired(presented)
-        return presented
-    outside = Lease.objects.live().exclude(holder__startswith="millm-batch:").first()
-    if outside is not None:
-        raise model_leased(outside, "a batch")
-    return None

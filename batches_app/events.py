@@ -11,6 +11,7 @@ import time
 from django.conf import settings
 
 from inference_app import events as inference_events
+from inference_app.gateway import wake_engines
 
 log = logging.getLogger("millm.batches")
 
@@ -38,6 +39,14 @@ def publish(batch):
 
 async def apublish(batch):
     await inference_events.apublish(EVENT, progress(batch), [ALL_BATCHES, batch_group(batch.id)], _rooms(batch))
+
+
+def publish_and_wake(*batches):
+    """After a create or a cancel: `batch:progress` for each batch, then one wake, so that the
+    engines act now rather than at their next poll (BATCH_WAIT_POLL_S)."""
+    for batch in batches:
+        publish(batch)
+    wake_engines()
 
 
 def _rooms(batch):

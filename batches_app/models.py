@@ -3,15 +3,26 @@ chunk's results and the batch's counts are written in one transaction fenced by 
 
 import json
 import uuid
+from dataclasses import dataclass
 
 from django.db import connection, models, transaction
-from django.db.models import F, Q
+from django.db.models import Case, F, Q, When
 from django.utils import timezone
 
-from files_app.models import File
+from batches_app import leasing
+from batches_app.shapes import (
+    BatchErrors,
+    BatchMillm,
+    BatchObject,
+    BatchUsage,
+    CachedTokens,
+    ReasoningTokens,
+    RequestCounts,
+)
+from files_app.models import File, IdempotencyKey
+from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from inference_app.models import Lease
 from millm_lib.pagination import cursor_page
 
 
@@ -26,6 +37,88 @@ class BatchQuerySet(models.QuerySet):
 
     def page(self, after=None, limit=20):
         return cursor_page(self, after, limit)
+
+    def to_validate(self):
+        return self.filter(status=Batch.Status.VALIDATING)
+
+    def to_run(self, resident_model_id):
+        """What an engine with `resident_model_id` resident (None: none is) may run. Ending needs
+        no model: any engine assembles a finalizing, cancelling or expired batch."""
+        runnable = Q(status__in=[Batch.Status.FINALIZING, Batch.Status.CANCELLING])
+        runnable |= Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=False)
+        if resident_model_id is not None:
+            runnable |= Q(status=Batch.Status.IN_PROGRESS, model=resident_model_id)
+        return self.filter(runnable)
+
+    def waiting(self):
+        """In progress, unclaimed and not ending: rows waiting for an engine to run them."""
+        return self.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)
+
+    # --- claims (the fencing tokens) ---
+
+    def claim_oldest(self, engine_id):
+        """The oldest unclaimed batch of these (ending ones first), claimed by `engine_id` with a
+        fresh fencing token, or None.
+
+        SELECT ... FOR UPDATE SKIP LOCKED: two engines never pick the same row at once.
+        """
+        with transaction.atomic():
+            batch = (
+                self.select_for_update(skip_locked=True)
+                .filter(claimed_by__isnull=True)
+                .annotate(runs_rows=Case(When(Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=True), then=1), default=0))
+                .order_by("runs_rows", "created_at", "id")
+                .first()
+            )
+            if batch is None or batch.claim(engine_id) is None:
+                return None
+        return batch
+
+    def release_claims_of_dead_engines(self, engine_id, model_id):
+        """Start-up reconciliation: release the claims no running engine can still act on.
+
+        Claims of engines started for our model are dead: we hold the model's advisory lock, which
+        PostgreSQL gave us only once the previous holder's process was gone (its heartbeat may still
+        look fresh). Claims of engines whose heartbeat is stale are dead too. Released batches are
+        picked up again by status: validating validates again; in_progress resumes at its first
+        unrecorded row; finalizing assembles again; cancelling ends cancelled.
+        """
+        same_model = Engine.objects.filter(model_id=model_id).exclude(pk=engine_id).values_list("pk", flat=True)
+        return (
+            self.unfinished()
+            .exclude(claimed_by=None)
+            .exclude(claimed_by=engine_id)
+            .filter(Q(claimed_by__in=list(same_model)) | ~Q(claimed_by__in=_live_engines()))
+            .update(claimed_by=None, claim_token=None)
+        )
+
+    def release_stale_claims(self):
+        """While running: claims of engines whose heartbeat went stale (never a live engine's)."""
+        return self.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_live_engines()).update(
+            claimed_by=None, claim_token=None
+        )
+
+    # --- the sweep over unclaimed batches ---
+
+    def note_why_waiting(self):
+        """Each waiting batch says why: `queued` while a live engine has its model resident,
+        `model_not_resident` while none has."""
+        serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
+        waiting = self.waiting()
+        waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]).update(
+            waiting_reason=Batch.Waiting.QUEUED
+        )
+        waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT).update(
+            waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT
+        )
+
+    def expire_waiting(self):
+        """Waiting batches past expires_at end expired (the next engine to claim one assembles it)."""
+        return self.waiting().filter(expires_at__lte=timezone.now()).update(end_status=Batch.Status.EXPIRED)
+
+
+def _live_engines():
+    return list(Engine.objects.live().values_list("pk", flat=True))
 
 
 class Batch(models.Model):
@@ -76,7 +169,7 @@ class Batch(models.Model):
     batched_decoding = models.BooleanField(default=False)
     output_expires_after = models.IntegerField(null=True, blank=True)
     lease = models.ForeignKey(Lease, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
-    lease_mode = models.CharField(max_length=8, null=True, blank=True)  # own | caller
+    lease_mode = models.CharField(max_length=8, null=True, blank=True)  # leasing.OWN | leasing.CALLER
     waiting_reason = models.CharField(max_length=24, choices=Waiting.choices, null=True, blank=True)
     claimed_by = models.CharField(max_length=40, null=True, blank=True)
     claim_token = models.UUIDField(null=True, blank=True)
@@ -95,7 +188,8 @@ class Batch(models.Model):
 
     @property
     def holder(self):
-        return f"millm-batch:{self.id}"
+        """The holder name of the lease the batch takes in its own name."""
+        return leasing.holder_of(self.id)
 
     @property
     def unrun_code(self):
@@ -135,21 +229,8 @@ class Batch(models.Model):
 
     def hand_lease(self, header):
         """POST .../lease: run under the caller's live lease from now on; our own is released."""
-        from inference_app.leases import LEASE_HEADER, lease_expired, presented_lease
-
-        if not header:
-            raise ApiError(400, "invalid_lease_request", f"Send the lease to hand over in {LEASE_HEADER}", param=LEASE_HEADER)
-        lease = presented_lease(header)
-        if not lease.live:
-            raise lease_expired(lease)
-        if self.model and lease.model_id != self.model:
-            raise ApiError(
-                409, "batch_state_conflict",
-                f"The lease is on '{lease.model_id}', but the batch runs '{self.model}'",
-                param=LEASE_HEADER,
-            )
-        previous = self.lease_id if self.lease_mode == "own" else None
-        updated = Batch.objects.filter(pk=self.pk, status__in=self.UNFINISHED).update(lease=lease, lease_mode="caller")
+        lease = leasing.lease_to_hand_over(self, header)
+        updated = Batch.objects.filter(pk=self.pk, status__in=self.UNFINISHED).update(lease=lease, lease_mode=leasing.CALLER)
         if updated != 1:
             self.refresh_from_db()
             raise ApiError(
@@ -157,10 +238,24 @@ class Batch(models.Model):
                 f"The batch '{self.id}' is {self.status}; a lease is handed only to an unfinished batch",
                 param="batch_id",
             )
-        if previous:
-            Lease.objects.end_all("handed over to the caller's lease", pk=previous)
+        # Not refreshed yet: the batch still names the lease it ran under before the hand-over.
+        leasing.release_own(self, "handed over to the caller's lease")
         self.refresh_from_db()
         return self
+
+    def insert(self, idempotency_key=None, recheck_input=None):
+        """POST /v1/batches: the new batch and its Idempotency-Key, in one transaction.
+
+        The input file's row is locked, then `recheck_input(file id)` runs: a DELETE of that
+        file locks it too, so it cannot slip in between the check and our commit.
+        """
+        with transaction.atomic():
+            File.objects.select_for_update().filter(pk=self.input_file_id).first()
+            if recheck_input is not None:
+                recheck_input(self.input_file_id)
+            self.save(force_insert=True)
+            if idempotency_key:
+                IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=self.pk)
 
     def to_openai(self):
         def stamp(value):
@@ -168,45 +263,45 @@ class Batch(models.Model):
 
         errors = None
         if self.errors:
-            errors = {"object": "list", "data": self.errors[:100]}
-        return {
-            "id": self.id,
-            "object": "batch",
-            "endpoint": self.endpoint,
-            "model": self.model,
-            "errors": errors,
-            "input_file_id": self.input_file_id,
-            "completion_window": self.completion_window,
-            "status": self.status,
-            "output_file_id": self.output_file_id,
-            "error_file_id": self.error_file_id,
-            "created_at": stamp(self.created_at),
-            "in_progress_at": stamp(self.in_progress_at),
-            "expires_at": stamp(self.expires_at),
-            "finalizing_at": stamp(self.finalizing_at),
-            "completed_at": stamp(self.completed_at),
-            "failed_at": stamp(self.failed_at),
-            "expired_at": stamp(self.expired_at),
-            "cancelling_at": stamp(self.cancelling_at),
-            "cancelled_at": stamp(self.cancelled_at),
-            "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
-            "metadata": self.metadata,
-            "usage": {
-                "input_tokens": self.input_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input_tokens + self.output_tokens,
-            },
-            "millm": {
-                "pack": self.pack,
-                "pack_window": self.pack_window,
-                "batched_decoding": self.batched_decoding,
-                "waiting_reason": self.waiting_reason if self.status == self.Status.IN_PROGRESS else None,
-                "lease_mode": self.lease_mode,
-                "output_expires_after": self.output_expires_after,
-            },
-        }
+            errors = BatchErrors(object="list", data=self.errors[:100])
+        return BatchObject(
+            id=self.id,
+            object="batch",
+            endpoint=self.endpoint,
+            model=self.model,
+            errors=errors,
+            input_file_id=self.input_file_id,
+            completion_window=self.completion_window,
+            status=self.status,
+            output_file_id=self.output_file_id,
+            error_file_id=self.error_file_id,
+            created_at=stamp(self.created_at),
+            in_progress_at=stamp(self.in_progress_at),
+            expires_at=stamp(self.expires_at),
+            finalizing_at=stamp(self.finalizing_at),
+            completed_at=stamp(self.completed_at),
+            failed_at=stamp(self.failed_at),
+            expired_at=stamp(self.expired_at),
+            cancelling_at=stamp(self.cancelling_at),
+            cancelled_at=stamp(self.cancelled_at),
+            request_counts=RequestCounts(total=self.total, completed=self.completed, failed=self.failed),
+            metadata=self.metadata,
+            usage=BatchUsage(
+                input_tokens=self.input_tokens,
+                input_tokens_details=CachedTokens(cached_tokens=0),
+                output_tokens=self.output_tokens,
+                output_tokens_details=ReasoningTokens(reasoning_tokens=0),
+                total_tokens=self.input_tokens + self.output_tokens,
+            ),
+            millm=BatchMillm(
+                pack=self.pack,
+                pack_window=self.pack_window,
+                batched_decoding=self.batched_decoding,
+                waiting_reason=self.waiting_reason if self.status == self.Status.IN_PROGRESS else None,
+                lease_mode=self.lease_mode,
+                output_expires_after=self.output_expires_after,
+            ),
+        )
 
     # --- the runner's writes, fenced by the claim token ---
 
@@ -225,6 +320,11 @@ class Batch(models.Model):
             raise FencedOut(self.pk)
         return locked
 
+    def release_claim(self):
+        """Unclaimed, to be picked up again by its status; a runner fenced out releases nothing
+        (the batch is another engine's now)."""
+        Batch.objects.filter(pk=self.pk, claim_token=self.claim_token).update(claimed_by=None, claim_token=None)
+
     def set_waiting(self, reason):
         if self.waiting_reason != reason:
             Batch.objects.filter(pk=self.pk, claim_token=self.claim_token).update(waiting_reason=reason)
@@ -232,25 +332,34 @@ class Batch(models.Model):
             return True
         return False
 
-    def record_chunk(self, results, chunk):
-        """Write a chunk's results and the batch's counts in one transaction, fenced.
+    def take_own_lease(self, lease):
+        """The batch runs under `lease`, acquired in its own name (see leasing.hold)."""
+        Batch.objects.filter(pk=self.pk, claim_token=self.claim_token).update(lease=lease, lease_mode=leasing.OWN)
+        self.lease_id, self.lease_mode = lease.pk, leasing.OWN
 
-        `results`: [(row, outcome, response, error, request_id, packed, headers, usage)].
+    def mark_ending(self, end_status):
+        """The runner saw a cancel or the expiry: assembly ends the batch `end_status`."""
+        Batch.objects.filter(pk=self.pk).update(end_status=end_status)
+        self.end_status = end_status
+
+    def start_finalizing(self):
+        """Every row recorded: in_progress to finalizing. False when a cancel got there first
+        (the runner's next check sees it)."""
+        return self._move([self.Status.IN_PROGRESS], self.Status.FINALIZING)
+
+    def record_chunk(self, results, chunk):
+        """Write a chunk's results (RowResults) and the batch's counts in one transaction, fenced.
+
         One UPDATE writes every row, and only rows still pending: a recorded row is never written
         again (if one was, the whole chunk is refused and rolled back).
         """
         with transaction.atomic():
             self.fenced()
-            now = timezone.now()
-            written = BatchRow.objects.record(
-                [(row.pk, outcome, response, error, request_id, packed, headers)
-                 for row, outcome, response, error, request_id, packed, headers, _ in results],
-                chunk, now,
-            )
-            if written != {row.pk for row, *_ in results}:
-                line = min(row.line for row, *_ in results if row.pk not in written)
+            written = BatchRow.objects.record(results, chunk, timezone.now())
+            if written != {result.row.pk for result in results}:
+                line = min(result.row.line for result in results if result.row.pk not in written)
                 raise FencedOut(f"row {line} of {self.pk} was already recorded")
-            succeeded = [usage for _, outcome, *_, usage in results if outcome == BatchRow.Outcome.SUCCEEDED]
+            succeeded = [result.usage for result in results if result.outcome == BatchRow.Outcome.SUCCEEDED]
             Batch.objects.filter(pk=self.pk).update(
                 completed=F("completed") + len(succeeded),
                 failed=F("failed") + len(results) - len(succeeded),
@@ -260,23 +369,107 @@ class Batch(models.Model):
             )
         self.refresh_from_db(fields=["completed", "failed", "input_tokens", "output_tokens", "waiting_reason", "status"])
 
+    # --- validation's writes, fenced by the claim token ---
+
+    def discard_rows(self):
+        """Validating again after a crash starts clean: the rows the dead run stored go."""
+        with transaction.atomic():
+            self.fenced()
+            BatchRow.objects.filter(batch=self).delete()
+
+    def insert_rows(self, rows):
+        """Insert while our claim holds and the batch still validates; False otherwise (a cancel,
+        or another engine took it over: stop)."""
+        with transaction.atomic():
+            locked = Batch.objects.select_for_update().filter(pk=self.pk, claim_token=self.claim_token).first()
+            if locked is None or locked.status != self.Status.VALIDATING:
+                return False
+            BatchRow.objects.bulk_create(rows)
+        return True
+
+    def fail_validation(self, **fields):
+        """Still validating, it is to end failed (assembly ends it), with `fields` (the errors);
+        False when cancelled or taken over meanwhile."""
+        updated = Batch.objects.filter(pk=self.pk, claim_token=self.claim_token, status=self.Status.VALIDATING).update(
+            end_status=self.Status.FAILED, **fields
+        )
+        return updated == 1
+
+    def queue_to_run(self, **fields):
+        """Validated: in progress, `queued`, and our claim released, in one fenced update. The
+        validating engine (maybe of another model) never holds a batch whose rows wait to run."""
+        return self._move([self.Status.VALIDATING], self.Status.IN_PROGRESS, fenced_by=self.claim_token,
+                          waiting_reason=self.Waiting.QUEUED, claimed_by=None, claim_token=None, **fields)
+
+    # --- assembly's write ---
+
+    def finish(self, end, output_file, error_file):
+        """The batch's end, in one transaction, fenced: the files recorded and attached, the end
+        status stamped, the rows' bodies deleted. Returns the end it stamped.
+
+        Fenced: an engine that lost its claim leaves only bytes, which the orphan sweep
+        removes; never a listed file no batch owns. An ended batch keeps its claim, so the
+        status is checked too: a second assembly of an ended batch changes nothing and
+        returns None (its caller removes the bytes it saved).
+        """
+        with transaction.atomic():
+            locked = self.fenced()
+            if locked.status not in self.UNFINISHED:
+                return None
+            for file in (output_file, error_file):
+                if file is not None:
+                    file.record_stored()
+            if locked.status == self.Status.CANCELLING and end == self.Status.FAILED and self.in_progress_at is None:
+                end = self.Status.CANCELLED  # cancelled while validating: the cancel wins
+            Batch.objects.filter(pk=self.pk).update(
+                status=end, output_file=output_file, error_file=error_file, waiting_reason=None,
+                **{f"{end}_at": timezone.now()},
+            )
+            BatchRow.objects.filter(batch=self).update(body=None)
+        return end
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    """One row's result, as the runner made it and `record_chunk` writes it."""
+
+    row: "BatchRow"
+    outcome: str
+    response: dict | None
+    error: dict | None  # {status, code, message} of a failed row
+    request_id: str
+    packed: bool
+    headers: dict | None
+    usage: dict
+
+    @property
+    def batched(self):
+        # A row that shared its decode steps says so in its header (SPEC 8a) and its column.
+        return (self.headers or {}).get("X-miLLM-Backend") == "batched"
+
 
 class BatchRowQuerySet(models.QuerySet):
     def unrecorded(self):
         return self.filter(outcome=BatchRow.Outcome.PENDING).order_by("line")
 
+    def backlog(self, model_id):
+        """Rows still to run of the running batches of `model_id`."""
+        return self.filter(
+            batch__status=Batch.Status.IN_PROGRESS, batch__end_status__isnull=True,
+            batch__model=model_id, outcome=BatchRow.Outcome.PENDING,
+        ).count()
+
     def record(self, results, chunk, recorded_at):
-        """One UPDATE for a chunk's rows, each written only while still pending; returns the ids
-        it wrote. `results`: [(id, outcome, response, error, request_id, packed, headers)]."""
+        """One UPDATE for a chunk's RowResults, each row written only while still pending;
+        returns the ids it wrote."""
         if not results:
             return set()
         table = BatchRow._meta.db_table
-        values = ", ".join(["(%s::bigint, %s, %s::jsonb, %s::jsonb, %s, %s::boolean, %s::boolean, %s::jsonb)"] * len(results))
+        values = ", ".join(["(%s::bigint, %s, %s::text, %s::jsonb, %s, %s::boolean, %s::boolean, %s::jsonb)"] * len(results))
         params = []
-        for pk, outcome, response, error, request_id, packed, headers in results:
-            # A row that shared its decode steps says so in its header (SPEC 8a) and its column.
-            batched = (headers or {}).get("X-miLLM-Backend") == "batched"
-            params += [pk, outcome, _jsonb(response), _jsonb(error), request_id, packed, batched, _jsonb(headers)]
+        for result in results:
+            params += [result.row.pk, result.outcome, BatchRow.response.field.get_prep_value(result.response), _jsonb(result.error),
+                       result.request_id, result.packed, result.batched, _jsonb(result.headers)]
         with connection.cursor() as cursor:
             cursor.execute(
                 f"UPDATE {table} AS r SET outcome = v.outcome, response = v.response, error = v.error, "
@@ -293,6 +486,21 @@ def _jsonb(value):
     return None if value is None else json.dumps(value)
 
 
+class JSONText(models.TextField):
+    """A JSON value stored as its text: a generated answer may hold U+0000 (a byte-fallback
+    token), which jsonb refuses outright but JSON text escapes as \\u0000. One such answer in
+    a jsonb column failed its whole chunk, which ran again, forever."""
+
+    def from_db_value(self, value, expression, connection):
+        return None if value is None else json.loads(value)
+
+    def to_python(self, value):
+        return json.loads(value) if isinstance(value, str) else value
+
+    def get_prep_value(self, value):
+        return None if value is None else json.dumps(value, ensure_ascii=False)
+
+
 class BatchRow(models.Model):
     class Outcome(models.TextChoices):
         PENDING = "pending"
@@ -306,7 +514,7 @@ class BatchRow(models.Model):
     body = models.JSONField(null=True, blank=True)
     outcome = models.CharField(max_length=16, choices=Outcome.choices, default=Outcome.PENDING)
     request_id = models.CharField(max_length=40, null=True, blank=True)
-    response = models.JSONField(null=True, blank=True)
+    response = JSONText(null=True, blank=True)  # the answer's body, until the files are recorded
     error = models.JSONField(null=True, blank=True)
     packed = models.BooleanField(default=False)
     batched = models.BooleanField(default=False)  # its sequence shared decode steps with others

@@ -14,20 +14,20 @@ Rows run through the very service functions the synchronous routes call.
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
-from django.db.models import Case, Q, When
+from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from batches_app import assembly, events, validation
-from batches_app.models import Batch, BatchRow, FencedOut
+from batches_app import assembly, events, leasing, validation
+from batches_app.models import Batch, BatchRow, FencedOut, RowResult
 from inference_app.engine import packing, services
 from inference_app.engine.seating import NOT_RUN
 from millm_lib.errors import ApiError, internal_error
 from millm_lib.ids import new_id
-from inference_app.models import Engine, Lease
+from inference_app.models import Engine
 from inference_app.schemas import parse_request
 from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCORE
 
@@ -37,36 +37,38 @@ PROGRESS_LOG_S = 5.0
 
 
 def reconcile_batches(engine_id, model_id):
-    """Start-up reconciliation: release the claims no running engine can still act on.
-
-    Claims of engines started for our model are dead: we hold the model's advisory lock, which
-    PostgreSQL gave us only once the previous holder's process was gone (its heartbeat may still
-    look fresh). Claims of engines whose heartbeat is stale are dead too. Released batches are
-    picked up again by status: validating validates again; in_progress resumes at its first
-    unrecorded row; finalizing assembles again; cancelling ends cancelled.
-    """
-    same_model = Engine.objects.filter(model_id=model_id).exclude(pk=engine_id).values_list("pk", flat=True)
-    released = (
-        Batch.objects.unfinished()
-        .exclude(claimed_by=None)
-        .exclude(claimed_by=engine_id)
-        .filter(Q(claimed_by__in=list(same_model)) | ~Q(claimed_by__in=_live_engines()))
-        .update(claimed_by=None, claim_token=None)
-    )
+    """Start-up reconciliation (see `release_claims_of_dead_engines`)."""
+    released = Batch.objects.release_claims_of_dead_engines(engine_id, model_id)
     if released:
         log.info("reconciled %d unfinished batch(es) left by a stopped engine", released)
     return released
 
 
-def release_stale_claims():
-    """While running: claims of engines whose heartbeat went stale (never a live engine's)."""
-    return Batch.objects.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_live_engines()).update(
-        claimed_by=None, claim_token=None
-    )
+@dataclass(frozen=True, slots=True)
+class PendingRow:
+    """A row about to run, its body parsed once: its kind, its length, its probes and its run
+    all read `parsed`, the request or the ApiError the route would refuse it with."""
 
+    row: BatchRow
+    parsed: object
 
-def _live_engines():
-    return list(Engine.objects.live().values_list("pk", flat=True))
+    @classmethod
+    def of(cls, endpoint, row):
+        try:
+            return cls(row, parse_request(endpoint, row.body, strict=True))
+        except ApiError as error:
+            return cls(row, error)
+
+    @property
+    def refused(self):
+        return isinstance(self.parsed, ApiError)
+
+    @property
+    def generates(self):
+        """A chat or completion row that generates (not scoring), as the service functions
+        decide (`logprobs: 0` is scoring in completions, not in chat): it runs alone, or seated.
+        A refused row does not: it fails in a chunk of its own, as the route would refuse it."""
+        return not self.refused and services.is_generation(self.parsed)
 
 
 class BatchRunner:
@@ -74,6 +76,9 @@ class BatchRunner:
         self.worker = worker
         self.chunks = 0
         self.last_backlog = None
+        # Rows seen but not yet run, for the batch in hand: a row waiting in the packing window,
+        # or the scoring row that ended a run of seated ones, is parsed (and measured) once.
+        self.parsed = {}  # row id -> PendingRow
         self.lengths = {}  # row id -> token length, for length-aware packing
         self.throttle = events.Throttle()
         self.seated = {}  # row id -> the task running it in a seat (batched decoding)
@@ -119,7 +124,7 @@ class BatchRunner:
             if outcome == Batch.Status.FAILED or batch.status == Batch.Status.CANCELLING:
                 assembly.assemble(batch)
             else:
-                self._release(batch)
+                batch.release_claim()
             events.publish(batch)
         except FencedOut:
             log.warning("batch %s was taken over during validation", batch.pk)
@@ -150,39 +155,18 @@ class BatchRunner:
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _claim(self, validating):
-        """The oldest claimable batch, claimed with a fresh fencing token, or None.
-
-        SELECT ... FOR UPDATE SKIP LOCKED: two engines never pick the same row at once.
-        """
+        """The oldest batch to validate, or to run on the resident model, claimed with a fresh
+        fencing token; or None."""
         close_old_connections()
-        runtime = self.worker.runtime
         if validating:
-            runnable = Q(status=Batch.Status.VALIDATING)
-        else:
-            # Ending needs no model: any engine assembles a finalizing, cancelling or expired batch.
-            runnable = Q(status__in=[Batch.Status.FINALIZING, Batch.Status.CANCELLING])
-            runnable |= Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=False)
-            if runtime is not None:
-                runnable |= Q(status=Batch.Status.IN_PROGRESS, model=runtime.model_id)
-        with transaction.atomic():
-            batch = (
-                Batch.objects.select_for_update(skip_locked=True)
-                .filter(runnable, claimed_by__isnull=True)
-                .annotate(ending=Case(When(Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=True), then=1), default=0))
-                .order_by("ending", "created_at", "id")
-                .first()
-            )
-            if batch is None or batch.claim(self.worker.engine_id) is None:
-                return None
-        return batch
-
-    def _release(self, batch):
-        Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(claimed_by=None, claim_token=None)
+            return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
+        runtime = self.worker.runtime
+        return Batch.objects.to_run(runtime.model_id if runtime else None).claim_oldest(self.worker.engine_id)
 
     def _release_or_remember(self, batch):
         try:
             close_old_connections()
-            self._release(batch)
+            batch.release_claim()
         except Exception:
             log.warning("could not release the claim on %s (is the database down?); retrying at the next sweep",
                         batch.pk, exc_info=True)
@@ -190,7 +174,7 @@ class BatchRunner:
 
     def _release_remembered(self):
         for batch_id, batch in list(self.unreleased.items()):
-            self._release(batch)  # raises while the database is still down: the sweep fails, retried
+            batch.release_claim()  # raises while the database is still down: the sweep fails, retried
             self.unreleased.pop(batch_id, None)
             log.info("released the claim on %s", batch_id)
 
@@ -199,6 +183,9 @@ class BatchRunner:
         if batch.status != Batch.Status.IN_PROGRESS or batch.end_status:
             await self._assemble(batch)
             return "ended"
+        # Rows parsed for an earlier claim may have been recorded since, or the model changed.
+        self.parsed.clear()
+        self.lengths.clear()
         swept = time.monotonic()
         while not self.worker.stopping.is_set():
             if time.monotonic() - swept > settings.BATCH_WAIT_POLL_S:
@@ -211,7 +198,7 @@ class BatchRunner:
                 return "ended"
             if verdict in ("release", "wait"):
                 await self._abandon_seated()
-                await sync_to_async(self._release)(batch)
+                await sync_to_async(batch.release_claim)()
                 return "waiting" if verdict == "wait" else "released"
             if self._decodes_batched(batch):
                 rows = await sync_to_async(self._next_seated_rows)(batch)
@@ -220,14 +207,14 @@ class BatchRunner:
                     continue
             rows = await sync_to_async(self._next_chunk)(batch)
             if not rows:
-                if await sync_to_async(batch._move)([Batch.Status.IN_PROGRESS], Batch.Status.FINALIZING):
+                if await sync_to_async(batch.start_finalizing)():
                     await events.apublish(batch)
                     await self._assemble(batch)
                     return "ended"
                 continue  # cancelled meanwhile: the next check sees it
             await self._run_chunk(batch, rows)
         await self._finish_seated(batch)
-        await sync_to_async(self._release)(batch)
+        await sync_to_async(batch.release_claim)()
         return "stopped"
 
     def _before_chunk(self, batch):
@@ -238,12 +225,10 @@ class BatchRunner:
         if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
             raise FencedOut(batch.pk)
         if batch.status == Batch.Status.CANCELLING:
-            Batch.objects.filter(pk=batch.pk).update(end_status=Batch.Status.CANCELLED)
-            batch.end_status = Batch.Status.CANCELLED
+            batch.mark_ending(Batch.Status.CANCELLED)
             return "assemble"
         if timezone.now() >= batch.expires_at:
-            Batch.objects.filter(pk=batch.pk).update(end_status=Batch.Status.EXPIRED)
-            batch.end_status = Batch.Status.EXPIRED
+            batch.mark_ending(Batch.Status.EXPIRED)
             return "assemble"
         runtime = self.worker.runtime
         if runtime is None or runtime.model_id != batch.model:
@@ -255,63 +240,48 @@ class BatchRunner:
             if batch.set_waiting(Batch.Waiting.WEIGHTS_TORN):
                 events.publish(batch)
             return "wait"
-        if not self._hold_lease(batch):
+        if not leasing.hold(batch, self.worker.engine_id, settings.BATCH_LEASE_TTL_S):
             if batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE):
                 events.publish(batch)
             return "wait"
         return "run"
 
-    def _hold_lease(self, batch):
-        """The batch runs under its caller's live lease, or its own (acquired, renewed after a
-        third of its TTL); an outside holder's live lease makes it wait."""
-        lease = Lease.objects.filter(pk=batch.lease_id).first() if batch.lease_id else None
-        if lease is not None and lease.live and lease.model_id == batch.model:
-            if (timezone.now() - lease.renewed_at).total_seconds() > lease.ttl_seconds / 3:
-                lease.renew()
-            return True
-        live = Lease.objects.on_model(batch.model)
-        if live is not None and live.holder.startswith("millm-batch:"):
-            # Left by a batch that ended without releasing (a crash): batches queue, they do
-            # not block each other.
-            Lease.objects.end_all("superseded by another batch", pk=live.pk)
-            live = None
-        if live is not None:
-            return False
-        engine = Engine.objects.get(pk=self.worker.engine_id)
-        held, lease_id = Lease.acquire(engine, batch.model, batch.holder, f"batch {batch.pk}", settings.BATCH_LEASE_TTL_S)
-        if lease_id is None:
-            return False
-        Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token).update(lease=held, lease_mode="own")
-        batch.lease_id, batch.lease_mode = held.pk, "own"
-        return True
-
     def _next_chunk(self, batch):
-        """The rows the next chunk runs, in one query: probe-score and generation rows one at a
-        time; scoring and embedding rows BATCH_CHUNK_ROWS at a time, or packs when packing."""
+        """The rows the next chunk runs (PendingRows), in one query: probe-score and generation
+        rows one at a time; scoring and embedding rows BATCH_CHUNK_ROWS at a time, or packs when
+        packing."""
         if batch.endpoint == PROBE_SCORE:
-            return list(batch.rows.unrecorded()[:1])
+            return self._take(batch.endpoint, batch.rows.unrecorded()[:1])
         packed = batch.pack and batch.endpoint in PACKABLE_ENDPOINTS
         size = (batch.pack_window or settings.BATCH_PACK_MAX_ROWS) if packed else settings.BATCH_CHUNK_ROWS
         window = list(batch.rows.unrecorded()[:size])
-        if window and batch.endpoint in GENERATION_ENDPOINTS and _generates(batch.endpoint, window[0].body):
-            return window[:1]
+        if window and batch.endpoint in GENERATION_ENDPOINTS and self._pending(batch.endpoint, window[0]).generates:
+            return self._take(batch.endpoint, window[:1])
         if not (packed and batch.pack_window):
-            return window
+            return self._take(batch.endpoint, window)
         # Length-aware: of the next `pack_window` rows, the ones of most similar length go
         # together; each row is still recorded on its own line, so the output stays in order.
         for row in window:
             if row.pk not in self.lengths:
-                self.lengths[row.pk] = self._length(batch.endpoint, row.body)
+                self.lengths[row.pk] = self._length(self._pending(batch.endpoint, row))
         chunk = packing.choose_pack(window, lambda row: self.lengths[row.pk], settings.BATCH_PACK_MAX_ROWS)
-        for row in chunk:
-            self.lengths.pop(row.pk, None)
-        return chunk
+        return self._take(batch.endpoint, chunk)
 
-    def _length(self, endpoint, body):
-        try:
-            return packing.sequence_length(self.worker.runtime, parse_request(endpoint, body, strict=True))
-        except ApiError:
-            return 0
+    def _pending(self, endpoint, row):
+        if row.pk not in self.parsed:
+            self.parsed[row.pk] = PendingRow.of(endpoint, row)
+        return self.parsed[row.pk]
+
+    def _take(self, endpoint, rows):
+        """`rows` run now: parsed (once), and out of the memos of rows still waiting."""
+        taken = [self._pending(endpoint, row) for row in rows]
+        for row in rows:
+            self.parsed.pop(row.pk, None)
+            self.lengths.pop(row.pk, None)
+        return taken
+
+    def _length(self, pending):
+        return 0 if pending.refused else packing.sequence_length(self.worker.runtime, pending.parsed)
 
     async def _run_chunk(self, batch, rows):
         seating = self.worker.seating
@@ -346,18 +316,18 @@ class BatchRunner:
             return []
         rows = []
         for row in batch.rows.unrecorded().exclude(pk__in=list(self.seated))[:room]:
-            if not _generates(batch.endpoint, row.body):
+            if not self._pending(batch.endpoint, row).generates:
                 break
             rows.append(row)
-        return rows
+        return self._take(batch.endpoint, rows)
 
     async def _run_seated(self, batch, rows):
-        """Start `rows`, each in a background seat; wait until one or more of the rows in flight
-        is done (or a second passes), and record those in one fenced transaction."""
+        """Start `rows` (PendingRows), each in a background seat; wait until one or more of the
+        rows in flight is done (or a second passes), and record those in one fenced transaction."""
         seating = self.worker.seating
-        for row in rows:
-            self.seated[row.pk] = asyncio.create_task(
-                seating.seated(batch.model, execute_rows, batch.endpoint, [row])
+        for pending in rows:
+            self.seated[pending.row.pk] = asyncio.create_task(
+                seating.seated(batch.model, execute_rows, batch.endpoint, [pending])
             )
         done, _ = await asyncio.wait(set(self.seated.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         results = []
@@ -386,12 +356,16 @@ class BatchRunner:
             await asyncio.wait(tasks)
 
     def _probes_of(self, rows):
+        """Each probe-score row's probes (read outside the model thread), or its ApiError."""
         specs = {}
-        for row in rows:
+        for pending in rows:
+            if pending.refused:
+                specs[pending.row.pk] = pending.parsed
+                continue
             try:
-                specs[row.pk] = self.worker.probes_for(parse_request(PROBE_SCORE, row.body, strict=True).request)
+                specs[pending.row.pk] = self.worker.probes_for(pending.parsed.request)
             except ApiError as error:
-                specs[row.pk] = error
+                specs[pending.row.pk] = error
         return specs
 
     async def _assemble(self, batch):
@@ -432,59 +406,37 @@ class BatchRunner:
         wait, unclaimed batches past expires_at end expired, the heartbeat row has the backlog."""
         close_old_connections()
         self._release_remembered()
-        release_stale_claims()
-        serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
-        waiting = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)
-        waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]).update(
-            waiting_reason=Batch.Waiting.QUEUED
-        )
-        waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT).update(
-            waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT
-        )
-        waiting.filter(expires_at__lte=timezone.now()).update(end_status=Batch.Status.EXPIRED)
+        Batch.objects.release_stale_claims()
+        Batch.objects.note_why_waiting()
+        Batch.objects.expire_waiting()
         runtime = self.worker.runtime
         backlog = None  # unknown without a resident model: null, never a fake 0
         if runtime is not None:
-            backlog = BatchRow.objects.filter(
-                batch__status=Batch.Status.IN_PROGRESS, batch__end_status__isnull=True,
-                batch__model=runtime.model_id, outcome=BatchRow.Outcome.PENDING,
-            ).count()
+            backlog = BatchRow.objects.backlog(runtime.model_id)
         if backlog != self.last_backlog:
-            Engine.objects.filter(pk=self.worker.engine_id).update(batch_backlog_rows=backlog)
+            Engine.objects.report_backlog(self.worker.engine_id, backlog)
             self.last_backlog = backlog
 
 
-def _generates(endpoint, body):
-    """A chat or completion row that generates (not scoring), as the service functions decide
-    (`logprobs: 0` is scoring in completions, not in chat): it runs alone, or seated."""
-    try:
-        return services.is_generation(parse_request(endpoint, body, strict=True))
-    except ApiError:
-        return False  # it fails in a chunk of its own, as the route would refuse it
-
-
 def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None):
-    """Runs in the model thread: each row through the synchronous route's service function, or,
-    with `pack`, scoring and embedding rows many to a forward pass.
+    """Runs in the model thread: each row (a PendingRow, parsed already) through the synchronous
+    route's service function, or, with `pack`, scoring and embedding rows many to a forward pass.
+    Returns a RowResult per row run.
 
     `give_way()` is asked before each single row after the first: when it says yes (a chat is
     waiting), the chunk ends there and only the rows before it are returned, the rest left for the
     next chunk. A chunk with packs runs whole (its packs are already computed)."""
-    parsed, outcomes = {}, {}
-    for row in rows:
-        try:
-            parsed[row.pk] = parse_request(endpoint, row.body, strict=True)
-        except ApiError as error:
-            outcomes[row.pk] = error
-    packed = [row for row in rows if pack and row.pk in parsed and services.is_packable(parsed[row.pk])]
+    outcomes = {pending.row.pk: pending.parsed for pending in rows if pending.refused}
+    packed = [pending for pending in rows if pack and not pending.refused and services.is_packable(pending.parsed)]
     if packed:
         try:
-            for row, outcome in zip(packed, packing.run_packed(runtime, [parsed[row.pk] for row in packed])):
-                outcomes[row.pk] = outcome
+            for pending, outcome in zip(packed, packing.run_packed(runtime, [pending.parsed for pending in packed])):
+                outcomes[pending.row.pk] = outcome
         except Exception:
-            log.exception("a pack of %s failed; its rows run one at a time", rows[0].batch_id)
+            log.exception("a pack of %s failed; its rows run one at a time", rows[0].row.batch_id)
             packed = []
-    for index, row in enumerate(rows):
+    for index, pending in enumerate(rows):
+        row = pending.row
         if row.pk in outcomes:
             continue
         if index and not packed and give_way is not None and give_way():
@@ -496,15 +448,15 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None
                 row_probes = probes[row.pk]
                 if isinstance(row_probes, ApiError):
                     raise row_probes
-            outcomes[row.pk] = services.run(runtime, parsed[row.pk], probes=row_probes)
+            outcomes[row.pk] = services.run(runtime, pending.parsed, probes=row_probes)
         except ApiError as error:
             outcomes[row.pk] = error
         except Exception:
             # A row that breaks the service must not break the batch (nor run forever).
             log.exception("line %d of %s failed", row.line, row.batch_id)
             outcomes[row.pk] = internal_error()
-    packed_ids = {row.pk for row in packed}
-    return [_result(row, endpoint, outcomes[row.pk], row.pk in packed_ids) for row in rows]
+    packed_ids = {pending.row.pk for pending in packed}
+    return [_result(pending.row, endpoint, outcomes[pending.row.pk], pending.row.pk in packed_ids) for pending in rows]
 
 
 def _result(row, endpoint, outcome, packed):
@@ -512,6 +464,7 @@ def _result(row, endpoint, outcome, packed):
     if isinstance(outcome, ApiError):
         body = outcome.management_body() if endpoint == PROBE_SCORE else outcome.body()
         failure = {"status": outcome.status, "code": outcome.code, "message": f"Line {row.line}: {outcome.message}"}
-        return (row, BatchRow.Outcome.FAILED, body, failure, request_id, packed, None, {})
+        return RowResult(row, BatchRow.Outcome.FAILED, body, failure, request_id, packed, headers=None, usage={})
     usage = outcome.body.get("usage") or {}
-    return (row, BatchRow.Outcome.SUCCEEDED, outcome.body, None, request_id, packed, outcome.headers, usage)
+    return RowResult(row, BatchRow.Outcome.SUCCEEDED, outcome.body, None, request_id, packed,
+                     headers=outcome.headers, usage=usage)

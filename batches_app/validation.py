@@ -11,13 +11,13 @@ import logging
 from collections import Counter
 
 from django.conf import settings
-from django.db import transaction
 
+from batches_app import leasing
 from batches_app.models import Batch, BatchRow
 from files_app.models import file_storage
 from inference_app.catalogue import resolve
 from millm_lib.errors import ApiError
-from inference_app.models import Engine, Lease
+from inference_app.models import Engine
 from millm_lib.jsonbody import plainly_usable, unusable_text
 from inference_app.schemas import parse_request
 from millm_lib.limits import PROBE_SCORE
@@ -122,9 +122,7 @@ def validate(batch, resident_model_id):
     3. Otherwise it is in_progress and waits its turn (`queued`).
     Returns the new status, or None when the batch was cancelled or fenced meanwhile.
     """
-    with transaction.atomic():
-        batch.fenced()
-        BatchRow.objects.filter(batch=batch).delete()  # validating again after a crash starts clean
+    batch.discard_rows()
     try:
         return _validate_lines(batch, resident_model_id)
     except OSError as error:
@@ -132,10 +130,7 @@ def validate(batch, resident_model_id):
         log.error("cannot read the input file of %s: %s", batch.pk, error)
         failure = {"code": "input_file_unreadable", "line": None, "param": None,
                    "message": f"The input file {batch.input_file_id} could not be read: {error}"}
-        updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
-            end_status=Batch.Status.FAILED, errors=[failure]
-        )
-        return Batch.Status.FAILED if updated else None
+        return Batch.Status.FAILED if batch.fail_validation(errors=[failure]) else None
 
 
 def _validate_lines(batch, resident_model_id):
@@ -160,10 +155,10 @@ def _validate_lines(batch, resident_model_id):
             if len(errors) < FIRST_ERRORS:
                 errors.append({"code": error.code, "line": number, "message": message, "param": error.param})
         if len(pending) >= INSERT_EVERY:
-            if not _insert_fenced(batch, pending):
+            if not batch.insert_rows(pending):
                 return None  # cancelled, or another engine took it over
             pending = []
-    if not _insert_fenced(batch, pending):
+    if not batch.insert_rows(pending):
         return None
     valid = total - invalid
     log.info("validated %s: %d lines, %d valid, %d invalid", batch.pk, total, valid, invalid)
@@ -173,27 +168,10 @@ def _validate_lines(batch, resident_model_id):
     fields = {"total": total, "failed": invalid, "errors": errors or None}
     if failure is not None:
         fields["errors"] = [failure] + (errors[: FIRST_ERRORS - 1])
-        updated = Batch.objects.filter(pk=batch.pk, claim_token=batch.claim_token, status=Batch.Status.VALIDATING).update(
-            model=model, end_status=Batch.Status.FAILED, **fields
-        )
-        return Batch.Status.FAILED if updated else None
+        return Batch.Status.FAILED if batch.fail_validation(model=model, **fields) else None
     if batch.endpoint == PROBE_SCORE:
         model = resident_model_id
-    # In progress, and our claim released, in one fenced update: the validating engine (maybe
-    # of another model) never holds a batch whose rows are waiting to run.
-    moved = batch._move([Batch.Status.VALIDATING], Batch.Status.IN_PROGRESS, fenced_by=batch.claim_token,
-                        model=model, waiting_reason=Batch.Waiting.QUEUED, claimed_by=None, claim_token=None, **fields)
-    return Batch.Status.IN_PROGRESS if moved else None
-
-
-def _insert_fenced(batch, rows):
-    """Insert while our claim holds and the batch still validates; False otherwise."""
-    with transaction.atomic():
-        locked = Batch.objects.select_for_update().filter(pk=batch.pk, claim_token=batch.claim_token).first()
-        if locked is None or locked.status != Batch.Status.VALIDATING:
-            return False
-        BatchRow.objects.bulk_create(rows)
-    return True
+    return Batch.Status.IN_PROGRESS if batch.queue_to_run(model=model, **fields) else None
 
 
 def _single_model(models):
@@ -222,8 +200,8 @@ def _batch_failure(batch, valid, models, model, resident_model_id):
             f"The model '{target}' is not resident on a live engine (resident: {resident or 'none'}); "
             "a batch never loads a model: load it first",
         )
-    lease = Lease.objects.on_model(target)
-    if lease is not None and not lease.holder.startswith("millm-batch:") and lease.pk != batch.lease_id:
+    lease = leasing.blocking_lease(batch, target)
+    if lease is not None:
         return failure("model_leased", f"The model '{target}' is leased: {lease.describe()}")
     return None
 

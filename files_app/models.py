@@ -9,6 +9,7 @@ from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
 
+from files_app.shapes import FileObject
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.pagination import cursor_page
@@ -134,6 +135,10 @@ class File(models.Model):
             expires_at=now + timedelta(seconds=expires_after_seconds),
         )
 
+    def record_stored(self):
+        """Step two of `store_bytes`: the record of the saved bytes, in the caller's transaction."""
+        self.save(force_insert=True)
+
     @property
     def is_expired(self):
         return self.status == self.Status.EXPIRED or (
@@ -145,18 +150,18 @@ class File(models.Model):
         if self.is_expired:
             when = self.expired_at or self.expires_at
             details = f"expired at {when.strftime('%Y-%m-%dT%H:%M:%SZ')}; its content is gone"
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": int(self.created_at.timestamp()),
-            "expires_at": int(self.expires_at.timestamp()) if self.expires_at else None,
-            "filename": self.filename,
-            "purpose": self.purpose,
+        return FileObject(
+            id=self.id,
+            object="file",
+            bytes=self.bytes,
+            created_at=int(self.created_at.timestamp()),
+            expires_at=int(self.expires_at.timestamp()) if self.expires_at else None,
+            filename=self.filename,
+            purpose=self.purpose,
             # The SDK knows uploaded|processed|error; expiry is said in status_details.
-            "status": "error" if self.status == self.Status.ERROR else "processed",
-            "status_details": details,
-        }
+            status="error" if self.status == self.Status.ERROR else "processed",
+            status_details=details,
+        )
 
     def open_content(self):
         """The bytes, or 404 file_expired for an expired file (its record stays)."""

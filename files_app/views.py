@@ -2,19 +2,47 @@
 
 from django.conf import settings
 from django.http import FileResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 
 from files_app.models import File, IdempotencyKey, disk_full
+from files_app.shapes import FileDeleted, FileList, FileObject, FileUpload
 from files_app.uploads import BatchFileUploadHandler
 from millm_lib.errors import ApiError
-from millm_lib.openapi import file_viewset_schema
+from millm_lib.openapi import IDEMPOTENCY_HEADER, PATH_ID, drf_errors
 from millm_lib.limits import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
 from millm_lib.pagination import list_page, query_choice, query_int
 
-@file_viewset_schema
+
+@extend_schema_view(
+    list=extend_schema(
+        summary="List files, newest first",
+        parameters=[
+            OpenApiParameter("purpose", str, OpenApiParameter.QUERY, enum=["batch", "batch_output"]),
+            OpenApiParameter("limit", int, OpenApiParameter.QUERY, description="1-10,000 (default 10,000)"),
+            OpenApiParameter("after", str, OpenApiParameter.QUERY, description="The last id of the previous page"),
+            OpenApiParameter("order", str, OpenApiParameter.QUERY, enum=["asc", "desc"]),
+        ],
+        responses={200: FileList, **drf_errors()},
+    ),
+    retrieve=extend_schema(summary="A file", parameters=[PATH_ID], responses={200: FileObject, **drf_errors()}),
+    create=extend_schema(
+        summary="Upload a batch input file (JSONL)",
+        parameters=[IDEMPOTENCY_HEADER],
+        request={"multipart/form-data": FileUpload},
+        responses={200: FileObject, **drf_errors()},
+    ),
+    destroy=extend_schema(summary="Delete a file", parameters=[PATH_ID], responses={200: FileDeleted, **drf_errors()}),
+    content=extend_schema(
+        summary="A file's bytes (application/jsonl whatever Accept says)",
+        parameters=[PATH_ID],
+        responses={(200, "application/jsonl"): OpenApiResponse({"type": "string", "format": "binary"}),
+                   **drf_errors()},
+    ),
+)
 class FileViewSet(viewsets.ViewSet):
     parser_classes = [MultiPartParser]
 
@@ -26,7 +54,7 @@ class FileViewSet(viewsets.ViewSet):
         limit = query_int(request, "limit", 10_000, 1, 10_000)
         order = query_choice(request, "order", "desc", ("asc", "desc"))
         items, has_more = files.page(request.query_params.get("after"), limit, order)
-        return Response(list_page([file.to_openai() for file in items], has_more))
+        return Response(list_page(FileList, [file.to_openai() for file in items], has_more))
 
     def retrieve(self, request, pk=None):
         return Response(_visible(pk).to_openai())
@@ -66,7 +94,7 @@ class FileViewSet(viewsets.ViewSet):
     def destroy(self, request, pk=None):
         file = _visible(pk)
         file.remove()
-        return Response({"id": file.id, "object": "file", "deleted": True})
+        return Response(FileDeleted(id=file.id, object="file", deleted=True))
 
     @action(detail=True, methods=["get"])
     def content(self, request, pk=None):

@@ -14,22 +14,41 @@ from inference_app import gateway, weight_uploads
 from inference_app.catalogue import model_not_loaded, model_source
 from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
-from millm_lib.ids import new_id
 from inference_app.models import Engine, Lease, ModelEntry, Probe
 from inference_app.schemas import (
     LeaseRequest,
     LoadRequest,
     ModelRegistration,
     ProbeImport,
+    ProbeScoreRequest,
     parse_management,
     parse_request,
 )
 from millm_lib.jsonbody import decode_json
 from millm_lib.limits import PROBE_SCORE
+from millm_lib.openapi import Op, documented
+from millm_lib.openapi import data as success
+from millm_lib.shapes import ManagementSuccess
+from inference_app.shapes import (
+    CatalogueEntry,
+    ControlAccepted,
+    LeaseAcquired,
+    LeaseReleased,
+    LeaseStatus,
+    ProbeDeleted,
+    ProbeDetail,
+    ProbeScores,
+    ProbeSummary,
+    SavedCheckpoint,
+    WeightsState,
+)
+from inference_app.views import LEASE_HEADER_DOC
+
+LEASED = (LEASE_HEADER_DOC,)
 
 
 def ok(data, status=200, headers=None):
-    return json_response({"success": True, "data": data, "error": None}, status=status, headers=headers)
+    return json_response(ManagementSuccess(success=True, data=data, error=None), status=status, headers=headers)
 
 
 def api_route(*methods):
@@ -37,6 +56,11 @@ def api_route(*methods):
         return csrf_exempt(require_http_methods(list(methods))(view))
 
     return decorate
+
+
+def management_op(summary, responses, **documentation):
+    """An operation of a management route: its errors take the management envelope."""
+    return Op(summary, responses, envelope="management", **documentation)
 
 
 def _body(request, schema, code):
@@ -57,6 +81,10 @@ def _entry(model_id):
 # --- the catalogue and lifecycle ---
 
 
+@documented(
+    GET=management_op("The catalogue", {200: success({"type": "array", "items": CatalogueEntry})}),
+    POST=management_op("Register a model on the server's disk", {201: success(CatalogueEntry)}, request=ModelRegistration),
+)
 @api_route("GET", "POST")
 def models(request):
     if request.method == "GET":
@@ -71,12 +99,7 @@ def models(request):
         raise ApiError(400, "invalid_model_request", f"source cannot be read: {error.strerror} "
                        f"({len(body.source):,} characters)", param="source", details={"field": "source"}) from None
     try:
-        entry = ModelEntry.objects.create(
-            id=source.model_id,
-            source=str(source.path),
-            source_format=source.format,
-            quantization=source.quantization,
-        )
+        entry = ModelEntry.objects.register(source)
     except IntegrityError:
         raise ApiError(
             409, "model_exists", f"The catalogue already has a model '{source.model_id}'; send another id",
@@ -85,23 +108,28 @@ def models(request):
     return ok(entry.to_management(), status=201)
 
 
+@documented(GET=management_op("A catalogue entry", {200: success(CatalogueEntry)}))
 @api_route("GET")
 def model(request, model_id):
     return ok(_entry(model_id).to_management())
 
 
+@documented(POST=management_op("Make the model resident (in the background)", {202: success(ControlAccepted)},
+                               request=LoadRequest, request_required=False, headers=LEASED))
 @api_route("POST")
 async def model_load(request, model_id):
     body = await sync_to_async(_body)(request, LoadRequest, "invalid_load_request")
     entry = await sync_to_async(_entry)(model_id)
-    engine = await sync_to_async(_engine_to_load)(entry, body.engine)
+    engine = await sync_to_async(gateway.engine_to_load)(entry.pk, body.engine)
     acknowledged = await gateway.control(
         engine, "load", request.request_id, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER)
     )
     entry = await sync_to_async(_entry)(model_id)
-    return ok({"model": entry.to_management(), "engine": acknowledged["engine"]}, status=202)
+    return ok(ControlAccepted(model=entry.to_management(), engine=acknowledged["engine"]), status=202)
 
 
+@documented(POST=management_op("Unload the resident model (in the background)", {202: success(ControlAccepted)},
+                               headers=LEASED))
 @api_route("POST")
 async def model_unload(request, model_id):
     entry = await sync_to_async(_entry)(model_id)
@@ -110,33 +138,21 @@ async def model_unload(request, model_id):
         raise ApiError(409, "model_not_resident", f"The model '{model_id}' is not resident; nothing to unload")
     acknowledged = await gateway.control(engine, "unload", request.request_id, lease=request.headers.get(LEASE_HEADER))
     entry = await sync_to_async(_entry)(model_id)
-    return ok({"model": entry.to_management(), "engine": acknowledged["engine"]}, status=202)
-
-
-def _engine_to_load(entry, engine_id):
-    if engine_id is not None:
-        engine = Engine.objects.live().active().filter(pk=engine_id).first()
-        if engine is None:
-            raise ApiError(404, "engine_not_found", f"No live active engine has the id '{engine_id}'",
-                           details={"field": "engine"})
-        return engine
-    engine = Engine.objects.serving(entry.pk) or Engine.objects.loading(entry.pk)
-    if engine is not None:
-        return engine
-    engine = gateway.autoload_candidate(entry.pk, list(Engine.objects.live().active()))
-    if engine is None:
-        raise gateway.engine_unavailable(entry.pk)
-    return engine
+    return ok(ControlAccepted(model=entry.to_management(), engine=acknowledged["engine"]), status=202)
 
 
 # --- weights: edits and checkpoints (SPEC 5, "Weights") ---
 
 
+@documented(POST=management_op("Begin a weights edit (weights torn)", {200: success(WeightsState)}, headers=LEASED))
 @api_route("POST")
 async def weights_begin(request, model_id):
     return await _weights(request, model_id, "begin")
 
 
+@documented(PUT=management_op("Overwrite named tensors (a safetensors body)", {200: success(WeightsState)},
+                              request={"application/octet-stream": {"type": "string", "format": "binary"}},
+                              headers=LEASED))
 @api_route("PUT")
 async def weights_write(request, model_id):
     """A safetensors body of named tensors: streamed to storage for the engine, never held here."""
@@ -147,11 +163,14 @@ async def weights_write(request, model_id):
         await sync_to_async(weight_uploads.discard)(upload)
 
 
+@documented(POST=management_op("Commit a weights edit (weights clean)", {200: success(WeightsState)}, headers=LEASED))
 @api_route("POST")
 async def weights_commit(request, model_id):
     return await _weights(request, model_id, "commit")
 
 
+@documented(POST=management_op("Save the resident weights as a checkpoint", {201: success(SavedCheckpoint)},
+                               headers=LEASED))
 @api_route("POST")
 async def model_save(request, model_id):
     return await _weights(request, model_id, "save")
@@ -175,6 +194,12 @@ async def _weights(request, model_id, op, **fields):
 # --- leases ---
 
 
+@documented(
+    GET=management_op("The lease's status (never its id), or null",
+                      {200: success({"anyOf": [LeaseStatus, {"type": "null"}]})}),
+    POST=management_op("Acquire the lease (its id is shown once)", {201: success(LeaseAcquired)}, request=LeaseRequest),
+    DELETE=management_op("Release the lease named by X-miLLM-Lease", {200: success(LeaseReleased)}, headers=LEASED),
+)
 @api_route("GET", "POST", "DELETE")
 def lease(request, model_id):
     entry = _entry(model_id)
@@ -184,7 +209,7 @@ def lease(request, model_id):
     if request.method == "DELETE":
         held = _presented_for(request, entry)
         held.release()
-        return ok({"released": True, **held.status()})
+        return ok(LeaseReleased(released=True, **held.status()))
     body = _body(request, LeaseRequest, "invalid_lease_request")
     engine = Engine.objects.serving(entry.pk)
     if engine is None:
@@ -192,9 +217,10 @@ def lease(request, model_id):
     held, lease_id = Lease.acquire(engine, entry.pk, body.holder, body.reason, body.ttl_seconds)
     if lease_id is None:
         raise model_leased(held, "a second lease")
-    return ok({"id": lease_id, **held.status()}, status=201)
+    return ok(LeaseAcquired(id=lease_id, **held.status()), status=201)
 
 
+@documented(POST=management_op("Renew the lease named by X-miLLM-Lease", {200: success(LeaseStatus)}, headers=LEASED))
 @api_route("POST")
 def lease_renew(request, model_id):
     held = _presented_for(request, _entry(model_id))
@@ -218,48 +244,27 @@ def _presented_for(request, entry):
 # --- probes ---
 
 
+@documented(
+    GET=management_op("The probes", {200: success({"type": "array", "items": ProbeSummary})}),
+    POST=management_op("Import a probe, checked against the resident model", {201: success(ProbeSummary)},
+                       request=ProbeImport),
+)
 @api_route("GET", "POST")
 def probes(request):
     if request.method == "GET":
         return ok([probe.summary() for probe in Probe.objects.all()])
     body = _body(request, ProbeImport, "invalid_probe_request")
     _check_probe_against_resident(body)
-    probe = Probe.objects.create(
-        id=new_id("probe_"),
-        name=body.name,
-        model_id=body.model,
-        layer=body.layer,
-        weights=list(body.weights),
-        bias=body.bias,
-        norm_mean=body.norm_mean if isinstance(body.norm_mean, float) else list(body.norm_mean),
-        norm_std=body.norm_std if isinstance(body.norm_std, float) else list(body.norm_std),
-        aggregation=body.aggregation,
-        threshold=body.threshold,
-    )
+    probe = Probe.objects.import_probe(body)
     return ok(probe.summary(), status=201)
 
 
 def _check_probe_against_resident(body):
     """Every field that does not fit the resident model, named with what it expected (409)."""
-    serving = Engine.objects.serving(body.model)
-    if serving is None:
-        residents = [e.resident_model_id for e in Engine.objects.live().active() if e.resident_model_id]
-        if not residents:
-            raise model_not_loaded()
-        reference = ModelEntry.objects.get(pk=residents[0])
-    else:
-        reference = ModelEntry.objects.get(pk=body.model)
-    mismatches = []
-    if body.model != reference.pk:
-        mismatches.append({"field": "model", "expected": reference.pk, "actual": body.model})
-    if body.layer >= reference.num_layers:
-        mismatches.append({"field": "layer", "expected": f"0..{reference.num_layers - 1}", "actual": body.layer})
-    if len(body.weights) != reference.hidden_size:
-        mismatches.append({"field": "weights", "expected": reference.hidden_size, "actual": len(body.weights)})
-    for name in ("norm_mean", "norm_std"):
-        value = getattr(body, name)
-        if isinstance(value, list) and len(value) != reference.hidden_size:
-            mismatches.append({"field": name, "expected": reference.hidden_size, "actual": len(value)})
+    reference = ModelEntry.objects.probe_reference(body.model)
+    if reference is None:
+        raise model_not_loaded()
+    mismatches = reference.probe_mismatches(body)
     if mismatches:
         named = "; ".join(f"{m['field']}: expected {m['expected']}, got {m['actual']}" for m in mismatches)
         raise ApiError(
@@ -270,6 +275,10 @@ def _check_probe_against_resident(body):
         )
 
 
+@documented(
+    GET=management_op("A probe", {200: success(ProbeDetail)}),
+    DELETE=management_op("Delete a probe", {200: success(ProbeDeleted)}),
+)
 @api_route("GET", "DELETE")
 def probe(request, probe_id):
     found = Probe.objects.filter(pk=probe_id).first()
@@ -277,32 +286,19 @@ def probe(request, probe_id):
         raise ApiError(404, "probe_not_found", f"No probe has the id '{probe_id}'")
     if request.method == "DELETE":
         found.delete()
-        return ok({"id": probe_id, "deleted": True})
+        return ok(ProbeDeleted(id=probe_id, deleted=True))
     return ok(found.detail())
 
 
+@documented(POST=management_op("Score inputs with probes on the resident model", {200: success(ProbeScores)},
+                               request=ProbeScoreRequest))
 @api_route("POST")
 async def probe_score(request):
     require_json(request)
     raw = request.body
     parsed = parse_request(PROBE_SCORE, decode_json(raw), strict=True)
-    model_id = await sync_to_async(_model_of_probes)(parsed.request.probe_ids)
+    model_id = await sync_to_async(Probe.objects.model_of)(parsed.request.probe_ids)
     engine = await gateway.engine_with_resident_model(model_id)
     body, headers = await gateway.call(engine, PROBE_SCORE, raw.decode("utf-8"), True, request.request_id)
     return json_response(body, headers=headers)
-
-
-def _model_of_probes(probe_ids):
-    if not probe_ids:
-        return None
-    models = dict(Probe.objects.filter(pk__in=probe_ids).values_list("pk", "model_id"))
-    missing = [probe_id for probe_id in probe_ids if probe_id not in models]
-    if missing:
-        raise ApiError(404, "probe_not_found", f"No probe has the id '{missing[0]}'", details={"field": "probe_ids"})
-    if len(set(models.values())) > 1:
-        raise ApiError(
-            400, "invalid_probe_score_request", "The probes named belong to different models; score them apart",
-            details={"field": "probe_ids"},
-        )
-    return next(iter(models.values()))
 

@@ -92,12 +92,8 @@ def _check_requestable(entry, resident):
     """`resident`: the ids live active engines serve."""
     if entry.pk in resident:
         return
-    if entry.kind == ModelEntry.Kind.CHECKPOINT:
-        raise model_not_found(
-            entry.pk,
-            f"The checkpoint '{entry.pk}' is not resident, and a request never loads a checkpoint. "
-            f"Load it with POST /api/models/{entry.pk}/load, or send a model /v1/models lists.",
-        )
+    if not entry.requests_may_load:
+        raise checkpoint_not_resident(entry.pk)
     renamed = renamed_models(resident).get(entry.pk)
     if renamed:
         raise model_not_found(
@@ -129,8 +125,27 @@ def requestable():
     ]
 
 
+def check_request_may_load(entry, load_policy, resident):
+    """Raise unless a request (not a management load) may make `entry` resident: it never
+    loads a checkpoint, and with X-miLLM-Load-Policy refuse never loads at all. Web asks before
+    choosing an engine to load it, the engine again before its swap (the model may have left
+    meanwhile). `resident`: the resident model(s) the refusal names, or None."""
+    if not entry.requests_may_load:
+        raise checkpoint_not_resident(entry.pk)
+    if load_policy == "refuse":
+        raise model_not_resident(entry.pk, resident)
+
+
 def model_not_found(name, message, param="model"):
     return ApiError(404, "model_not_found", message, param=param)
+
+
+def checkpoint_not_resident(model_id):
+    return model_not_found(
+        model_id,
+        f"The checkpoint '{model_id}' is not resident, and a request never loads a checkpoint. "
+        f"Load it with POST /api/models/{model_id}/load, or send a model /v1/models lists.",
+    )
 
 
 def model_not_resident(model_id, resident):

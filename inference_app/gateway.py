@@ -16,7 +16,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections
 
-from inference_app.catalogue import model_not_loaded, model_not_resident, resolve
+from inference_app.catalogue import check_request_may_load, model_not_loaded, resolve
 from millm_lib.errors import ApiError
 from inference_app.models import Engine
 
@@ -54,22 +54,36 @@ def engine_for(model_name, load_policy="auto"):
     the one serving or loading it; else (load policy auto) one that will load it."""
     engines = list(Engine.objects.live().active())  # newest heartbeat first
     entry = resolve(model_name, engines)
-    engine = next((e for e in engines if e.resident_model_id == entry.id), None) or next(
-        (e for e in engines if e.loading_model_id == entry.id), None
-    )
+    engine = _serving_or_loading(entry.id, engines)
     if engine is not None:
         return engine
-    if load_policy == "refuse":
-        resident = ", ".join(e.resident_model_id for e in engines if e.resident_model_id) or None
-        raise model_not_resident(entry.id, resident)
-    engine = autoload_candidate(entry.id, engines)
-    if engine is None:
-        raise engine_unavailable(entry.id)
-    return engine
+    resident = ", ".join(e.resident_model_id for e in engines if e.resident_model_id) or None
+    check_request_may_load(entry, load_policy, resident)
+    return autoload_candidate(entry.id, engines)
+
+
+def engine_to_load(model_id, engine_id=None):
+    """Where POST /api/models/{id}/load sends its load: the live active engine `engine_id`
+    names; else the one serving or loading the model; else one that will load it."""
+    engines = list(Engine.objects.live().active())  # newest heartbeat first
+    if engine_id is not None:
+        engine = next((e for e in engines if e.pk == engine_id), None)
+        if engine is None:
+            raise ApiError(404, "engine_not_found", f"No live active engine has the id '{engine_id}'",
+                           details={"field": "engine"})
+        return engine
+    return _serving_or_loading(model_id, engines) or autoload_candidate(model_id, engines)
+
+
+def _serving_or_loading(model_id, engines):
+    return next((e for e in engines if e.resident_model_id == model_id), None) or next(
+        (e for e in engines if e.loading_model_id == model_id), None
+    )
 
 
 def autoload_candidate(model_id, engines):
-    """The engine that should load `model_id`: one started for it, an idle one, or the only one."""
+    """The engine that should load `model_id`: one started for it, an idle one, or the only one;
+    503 engine_unavailable when there is none."""
     for engine in engines:
         if engine.model_id == model_id:
             return engine
@@ -81,7 +95,9 @@ def autoload_candidate(model_id, engines):
             f"The model '{model_id}' is not loaded and {len(engines)} engines serve other models; "
             f"choose one with POST /api/models/{model_id}/load {{\"engine\": ...}}"
         )
-    return engines[0] if engines else None
+    if not engines:
+        raise engine_unavailable(model_id)
+    return engines[0]
 
 
 @on_db_pool

@@ -7,7 +7,61 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
+from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
+from inference_app.shapes import (
+    CatalogueEntry,
+    EngineHealth,
+    LeaseStatus,
+    ModelMillm,
+    ModelObject,
+    ProbeDetail,
+    ProbeSummary,
+)
+
+ENGINE_ROW_RETENTION = timedelta(days=1)  # a dead engine's row stays this long for /health/detailed
+
+
+def _source_fields(source):
+    """The entry fields a `catalogue.ModelSource` gives."""
+    return {"source": str(source.path), "source_format": source.format, "quantization": source.quantization}
+
+
+class ModelEntryQuerySet(models.QuerySet):
+    def register(self, source):
+        """A new catalogue entry for `source` (a `catalogue.ModelSource`); IntegrityError when
+        its id is taken."""
+        return self.create(id=source.model_id, **_source_fields(source))
+
+    def record_engine_model(self, source):
+        """The entry of an engine's own model (MILLM_MODEL): made, or brought up to its source."""
+        entry, _ = self.update_or_create(id=source.model_id, defaults=_source_fields(source))
+        return entry
+
+    def release_unserved(self):
+        """At an engine's start-up: entries a dead engine left resident, loading or unloading,
+        and that no live engine serves, are available again."""
+        serving = Engine.objects.live().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
+        self.filter(state__in=["resident", "loading", "unloading"]).exclude(id__in=list(serving)).update(
+            state=ModelEntry.State.AVAILABLE
+        )
+
+    def release_unless_served(self, model_id, engine_id):
+        """`engine_id` no longer has `model_id` resident: it is available again unless another
+        live engine still has it resident."""
+        if not Engine.objects.live().exclude(pk=engine_id).filter(resident_model_id=model_id).exists():
+            self.filter(pk=model_id).update(state=ModelEntry.State.AVAILABLE)
+
+    def set_weights(self, model_id, state):
+        self.filter(pk=model_id).update(weights_state=state)
+
+    def probe_reference(self, model_id):
+        """The entry a probe made for `model_id` is checked against: that model when a live
+        active engine serves it, else the first resident model; None when none is resident."""
+        if Engine.objects.serving(model_id) is not None:
+            return self.get(pk=model_id)
+        residents = [engine.resident_model_id for engine in Engine.objects.live().active() if engine.resident_model_id]
+        return self.get(pk=residents[0]) if residents else None
 
 
 class ModelEntry(models.Model):
@@ -56,6 +110,8 @@ class ModelEntry(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 
+    objects = ModelEntryQuerySet.as_manager()
+
     class Meta:
         ordering = ["created_at", "id"]
         verbose_name = "model"
@@ -63,14 +119,53 @@ class ModelEntry(models.Model):
     def __str__(self):
         return self.id
 
+    @property
+    def requests_may_load(self):
+        """A request may make a catalogue model resident; a checkpoint only an explicit load."""
+        return self.kind != ModelEntry.Kind.CHECKPOINT
+
+    def mark_loading(self):
+        ModelEntry.objects.filter(pk=self.pk).update(state=ModelEntry.State.LOADING, state_detail="")
+
+    def mark_load_failed(self, error):
+        ModelEntry.objects.filter(pk=self.pk).update(state=ModelEntry.State.ERROR, state_detail=str(error)[:2000])
+
+    def mark_resident(self, torn, revision, dtype, context_length, hidden_size, num_layers):
+        """Loaded: resident, with what the load found out (its shape, dtype and revision)."""
+        ModelEntry.objects.filter(pk=self.pk).update(
+            weights_state=ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN,
+            state=ModelEntry.State.RESIDENT,
+            revision=revision,
+            dtype=dtype,
+            context_length=context_length,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+        )
+
+    def probe_mismatches(self, probe):
+        """Every field of a probe import (model, layer, weights, norm_mean, norm_std) that does
+        not fit this model, with what it expected: [{"field", "expected", "actual"}]."""
+        mismatches = []
+        if probe.model != self.pk:
+            mismatches.append({"field": "model", "expected": self.pk, "actual": probe.model})
+        if probe.layer >= self.num_layers:
+            mismatches.append({"field": "layer", "expected": f"0..{self.num_layers - 1}", "actual": probe.layer})
+        if len(probe.weights) != self.hidden_size:
+            mismatches.append({"field": "weights", "expected": self.hidden_size, "actual": len(probe.weights)})
+        for name in ("norm_mean", "norm_std"):
+            value = getattr(probe, name)
+            if isinstance(value, list) and len(value) != self.hidden_size:
+                mismatches.append({"field": name, "expected": self.hidden_size, "actual": len(value)})
+        return mismatches
+
     def to_openai(self):
-        return {
-            "id": self.id,
-            "object": "model",
-            "created": int(self.created_at.timestamp()),
-            "owned_by": "millm",
-            "millm": {"kind": self.kind, "state": self.state},
-        }
+        return ModelObject(
+            id=self.id,
+            object="model",
+            created=int(self.created_at.timestamp()),
+            owned_by="millm",
+            millm=ModelMillm(kind=self.kind, state=self.state),
+        )
 
     @property
     def root(self):
@@ -103,23 +198,23 @@ class ModelEntry(models.Model):
         )
 
     def to_management(self):
-        return {
-            "id": self.id,
-            "kind": self.kind,
-            "source": self.source,
-            "format": self.source_format,
-            "revision": self.revision,
-            "dtype": self.dtype,
-            "quantization": self.quantization,
-            "context_length": self.context_length,
-            "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-            "base": self.base_id,
-            "state": self.state,
-            "state_detail": self.state_detail or None,
-            "weights": self.weights_state,
-            "created_at": int(self.created_at.timestamp()),
-        }
+        return CatalogueEntry(
+            id=self.id,
+            kind=self.kind,
+            source=self.source,
+            format=self.source_format,
+            revision=self.revision,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            context_length=self.context_length,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            base=self.base_id,
+            state=self.state,
+            state_detail=self.state_detail or None,
+            weights=self.weights_state,
+            created_at=int(self.created_at.timestamp()),
+        )
 
 
 class EngineQuerySet(models.QuerySet):
@@ -135,6 +230,65 @@ class EngineQuerySet(models.QuerySet):
 
     def loading(self, model_id):
         return self.live().active().filter(loading_model_id=model_id).order_by("-heartbeat_at").first()
+
+    # --- an engine's own row: only that engine writes it ---
+
+    def register(self, engine_id, host, pid, channel, model_id, max_concurrent, max_pending):
+        """A starting engine's row, as a standby; rows silent for ENGINE_ROW_RETENTION go first."""
+        self.filter(heartbeat_at__lt=timezone.now() - ENGINE_ROW_RETENTION).delete()
+        return self.create(
+            id=engine_id,
+            host=host,
+            pid=pid,
+            channel=channel,
+            model_id=model_id,
+            role=Engine.Role.STANDBY,
+            queue_max_concurrent=max_concurrent,
+            queue_max_pending=max_pending,
+        )
+
+    def take_over(self, engine_id, model_id):
+        """`engine_id` holds `model_id`'s advisory lock: it is the model's active engine.
+
+        Holding the lock, another row active for this model is a dead process (or one that lost
+        the lock and is stopping): it serves nothing from now on, whatever its last heartbeat
+        says, and requests are not routed to it while it goes stale.
+        """
+        self.filter(model_id=model_id, role=Engine.Role.ACTIVE).exclude(pk=engine_id).update(
+            role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
+        )
+        self.filter(pk=engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
+
+    def report_heartbeat(self, engine_id, **figures):
+        """Write the heartbeat and queue figures; False when the row is gone (deleted by an
+        operator or a test flush), for the engine to register again."""
+        return bool(self.filter(pk=engine_id).update(**figures))
+
+    def unregister(self, engine_id):
+        self.filter(pk=engine_id).delete()
+
+    def set_loading(self, engine_id, model_id):
+        """`model_id`: the model the engine is loading now, or None when that load ended."""
+        self.filter(pk=engine_id).update(loading_model_id=model_id)
+
+    def mark_resident(self, engine_id, model_id, torn):
+        """A load finished: the engine is active with `model_id` resident."""
+        self.filter(pk=engine_id).update(
+            role=Engine.Role.ACTIVE, resident_model_id=model_id, loading_model_id=None, heartbeat_at=timezone.now(),
+            weights_state=Engine.Weights.TORN if torn else Engine.Weights.CLEAN,
+        )
+
+    def set_resident(self, engine_id, model_id):
+        """`model_id`: the id the resident weights answer under now (a save renames them), or
+        None once unloaded."""
+        self.filter(pk=engine_id).update(resident_model_id=model_id)
+
+    def set_weights(self, engine_id, state):
+        self.filter(pk=engine_id).update(weights_state=state)
+
+    def report_backlog(self, engine_id, rows):
+        """`rows`: the batch rows waiting for the engine's resident model; None when unknown."""
+        self.filter(pk=engine_id).update(batch_backlog_rows=rows)
 
 
 class Engine(models.Model):
@@ -179,16 +333,16 @@ class Engine(models.Model):
         return self.heartbeat_at >= timezone.now() - timedelta(seconds=settings.ENGINE_STALE_S)
 
     def to_health(self):
-        return {
-            "id": self.id,
-            "alive": self.alive,
-            "last_heartbeat": int(self.heartbeat_at.timestamp()),
-            "model": self.resident_model_id or self.model_id,
-            "role": self.role,
-            "resident_model": self.resident_model_id,
-            "loading_model": self.loading_model_id,
-            "weights": self.weights_state,
-        }
+        return EngineHealth(
+            id=self.id,
+            alive=self.alive,
+            last_heartbeat=int(self.heartbeat_at.timestamp()),
+            model=self.resident_model_id or self.model_id,
+            role=self.role,
+            resident_model=self.resident_model_id,
+            loading_model=self.loading_model_id,
+            weights=self.weights_state,
+        )
 
 
 def hash_lease_id(lease_id):
@@ -213,6 +367,18 @@ class LeaseQuerySet(models.QuerySet):
 
     def end_all(self, reason, **filters):
         return self.filter(ended_at__isnull=True, **filters).update(ended_at=timezone.now(), end_reason=reason)
+
+    def forget_on_restart(self, model_id):
+        """An engine's start-up ends every lease on its model and every lease of an engine no
+        longer live: they are deleted, so a renew answers 404 lease_not_found."""
+        live = list(Engine.objects.live().values_list("pk", flat=True))
+        self.filter(model_id=model_id).delete()
+        self.exclude(engine_id__in=live).delete()
+
+    def follow_rename(self, model_id, renamed_to):
+        """A save renamed the resident weights: the live leases on them follow. Only live ones:
+        a lease that ended or expired meanwhile keeps the id it was taken on, as its holder saw it."""
+        self.live().filter(model_id=model_id).update(model_id=renamed_to)
 
 
 class Lease(models.Model):
@@ -288,16 +454,16 @@ class Lease(models.Model):
 
     def status(self):
         now = timezone.now()
-        return {
-            "model_id": self.model_id,
-            "holder": self.holder,
-            "reason": self.reason,
-            "acquired_at": int(self.acquired_at.timestamp()),
-            "renewed_at": int(self.renewed_at.timestamp()),
-            "expires_at": int(self.expires_at.timestamp()),
-            "ttl_seconds": self.ttl_seconds,
-            "seconds_remaining": max(0, int((self.expires_at - now).total_seconds())),
-        }
+        return LeaseStatus(
+            model_id=self.model_id,
+            holder=self.holder,
+            reason=self.reason,
+            acquired_at=int(self.acquired_at.timestamp()),
+            renewed_at=int(self.renewed_at.timestamp()),
+            expires_at=int(self.expires_at.timestamp()),
+            ttl_seconds=self.ttl_seconds,
+            seconds_remaining=max(0, int((self.expires_at - now).total_seconds())),
+        )
 
     def describe(self):
         """For refusals: holder, reason and expiry, never the id."""
@@ -305,6 +471,39 @@ class Lease(models.Model):
             f"held by '{self.holder}' ({self.reason}) until "
             f"{self.expires_at.strftime('%Y-%m-%dT%H:%M:%SZ')}"
         )
+
+
+class ProbeQuerySet(models.QuerySet):
+    def import_probe(self, probe):
+        """A new probe from a probe import (`schemas.ProbeImport`), under a new id."""
+        return self.create(
+            id=new_id("probe_"),
+            name=probe.name,
+            model_id=probe.model,
+            layer=probe.layer,
+            weights=list(probe.weights),
+            bias=probe.bias,
+            norm_mean=probe.norm_mean if isinstance(probe.norm_mean, float) else list(probe.norm_mean),
+            norm_std=probe.norm_std if isinstance(probe.norm_std, float) else list(probe.norm_std),
+            aggregation=probe.aggregation,
+            threshold=probe.threshold,
+        )
+
+    def model_of(self, probe_ids):
+        """The one model the probes `probe_ids` were made for (None when none is named);
+        refused when one is unknown or they belong to different models."""
+        if not probe_ids:
+            return None
+        models_by_id = dict(self.filter(pk__in=probe_ids).values_list("pk", "model_id"))
+        missing = [probe_id for probe_id in probe_ids if probe_id not in models_by_id]
+        if missing:
+            raise ApiError(404, "probe_not_found", f"No probe has the id '{missing[0]}'", details={"field": "probe_ids"})
+        if len(set(models_by_id.values())) > 1:
+            raise ApiError(
+                400, "invalid_probe_score_request", "The probes named belong to different models; score them apart",
+                details={"field": "probe_ids"},
+            )
+        return next(iter(models_by_id.values()))
 
 
 class Probe(models.Model):
@@ -327,6 +526,8 @@ class Probe(models.Model):
     threshold = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = ProbeQuerySet.as_manager()
+
     class Meta:
         ordering = ["-created_at", "-id"]
 
@@ -334,19 +535,20 @@ class Probe(models.Model):
         return f"{self.name} ({self.model_id}, layer {self.layer})"
 
     def summary(self):
-        return {
-            "id": self.id,
-            "name": self.name,
-            "model": self.model_id,
-            "layer": self.layer,
-            "d_model": len(self.weights),
-            "aggregation": self.aggregation,
-            "threshold": self.threshold,
-            "created_at": int(self.created_at.timestamp()),
-        }
+        return ProbeSummary(
+            id=self.id,
+            name=self.name,
+            model=self.model_id,
+            layer=self.layer,
+            d_model=len(self.weights),
+            aggregation=self.aggregation,
+            threshold=self.threshold,
+            created_at=int(self.created_at.timestamp()),
+        )
 
     def detail(self):
-        return {**self.summary(), "weights": self.weights, "bias": self.bias, "norm_mean": self.norm_mean, "norm_std": self.norm_std}
+        return ProbeDetail(**self.summary(), weights=self.weights, bias=self.bias, norm_mean=self.norm_mean,
+                           norm_std=self.norm_std)
 
     def spec(self):
         """What the engine needs to score it."""

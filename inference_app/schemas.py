@@ -35,6 +35,24 @@ class Schema(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """As /api/schema/ documents it: fields the server cannot honour take only their neutral
+        value (NEUTRAL), any other is 400 field_not_honoured; `dimensions` is refused whatever its
+        value."""
+        documented = super().__get_pydantic_json_schema__(core_schema, handler)
+        properties = handler.resolve_ref_schema(documented).get("properties", {})
+        for name, neutral in NEUTRAL.items():
+            if name in properties:
+                properties[name] = {
+                    "anyOf": [{"const": neutral}, {"type": "null"}],
+                    "description": f"Only {json.dumps(neutral)}: this server cannot honour another value (field_not_honoured)",
+                }
+        if "dimensions" in properties:
+            properties["dimensions"] = {"type": "null",
+                                        "description": "Refused (field_not_honoured): embeddings have the model's own width"}
+        return documented
+
+    @classmethod
     def nested_schemas(cls):
         """Keys whose value holds nested schemas: {key: Schema} (a dict, or a list of dicts)."""
         return {}

@@ -16,7 +16,37 @@ from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.models import Engine, Lease
 from millm_lib.jsonbody import decode_json
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS
-from inference_app.schemas import parse_request, parse_strict_header
+from millm_lib.openapi import JSON, Op, documented, header, sse
+from inference_app.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    parse_request,
+    parse_strict_header,
+)
+from inference_app.shapes import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    EmbeddingList,
+    Health,
+    HealthDetailed,
+    InferenceHealth,
+    ModelList,
+    ModelObject,
+)
+
+STRICT_HEADER_DOC = header(
+    "X-miLLM-Strict", {"type": "string", "enum": ["true", "false", "1", "0"]},
+    "Strict mode refuses unused fields (unused_fields_refused); case-insensitive",
+)
+LOAD_POLICY_HEADER_DOC = header(
+    "X-miLLM-Load-Policy", {"type": "string", "enum": ["auto", "refuse"]},
+    "refuse: 409 model_not_resident instead of loading the model",
+)
+LEASE_HEADER_DOC = header(LEASE_HEADER, {"type": "string"}, "A lease id: act despite your own lease")
+GENERATION_HEADERS = (STRICT_HEADER_DOC, LOAD_POLICY_HEADER_DOC, LEASE_HEADER_DOC)
 
 
 async def _infer(request, endpoint):
@@ -50,43 +80,54 @@ async def _sse(messages):
     yield "data: [DONE]\n\n"
 
 
+@documented(POST=Op("Chat completion (stream: true answers server-sent events)", {
+    200: {JSON: ChatCompletion, "text/event-stream": sse(ChatCompletionChunk)},
+}, request=ChatCompletionRequest, headers=GENERATION_HEADERS))
 @csrf_exempt
 @require_POST
 async def chat_completions(request):
     return await _infer(request, CHAT)
 
 
+@documented(POST=Op("Completion (stream: true answers server-sent events)", {
+    200: {JSON: Completion, "text/event-stream": sse(CompletionChunk)},
+}, request=CompletionRequest, headers=GENERATION_HEADERS))
 @csrf_exempt
 @require_POST
 async def completions(request):
     return await _infer(request, COMPLETIONS)
 
 
+@documented(POST=Op("Embeddings", {200: EmbeddingList}, request=EmbeddingRequest, headers=GENERATION_HEADERS))
 @csrf_exempt
 @require_POST
 async def embeddings(request):
     return await _infer(request, EMBEDDINGS)
 
 
+@documented(GET=Op("The models a request can name", {200: ModelList}))
 @csrf_exempt  # no cookie session here: a wrong method is 405, never a CSRF 403
 @require_GET
 def models_list(request):
     data = [entry.to_openai() for entry in requestable()]
-    return json_response({"object": "list", "data": data})
+    return json_response(ModelList(object="list", data=data))
 
 
+@documented(GET=Op("One model", {200: ModelObject}))
 @csrf_exempt
 @require_GET
 def model_detail(request, model_id):
     return json_response(resolve(model_id).to_openai())
 
 
+@documented(GET=Op("Liveness", {200: Health}, envelope="none"))
 @csrf_exempt
 @require_GET
 def health(request):
-    return json_response({"status": "ok", "version": settings.VERSION, "timestamp": int(time.time())})
+    return json_response(Health(status="ok", version=settings.VERSION, timestamp=int(time.time())))
 
 
+@documented(GET=Op("Engines, lease and queue", {200: HealthDetailed}, envelope="none"))
 @csrf_exempt
 @require_GET
 def health_detailed(request):
@@ -95,27 +136,27 @@ def health_detailed(request):
     active = [engine for engine in live if engine.role == Engine.Role.ACTIVE and engine.resident_model_id]
     serving = active[0] if active else None
     return json_response(
-        {
-            "status": "ok" if serving else "degraded",
-            "version": settings.VERSION,
-            "timestamp": int(time.time()),
-            "model_loaded": serving is not None,
-            "model_name": serving.resident_model_id if serving else None,
-            "lease": _lease_status(serving),
-            "engines": [engine.to_health() for engine in engines],
-            "inference": {
+        HealthDetailed(
+            status="ok" if serving else "degraded",
+            version=settings.VERSION,
+            timestamp=int(time.time()),
+            model_loaded=serving is not None,
+            model_name=serving.resident_model_id if serving else None,
+            lease=_lease_status(serving),
+            engines=[engine.to_health() for engine in engines],
+            inference=InferenceHealth(
                 # Seats an engine decodes together (ENGINE_MAX_SEQUENCES, as the engine reported it).
-                "backend": "batched" if serving and serving.queue_max_concurrent > 1 else "serial",
-                "queue_pending": sum(engine.queue_waiting + engine.in_flight for engine in active),
-                "queue_max_concurrent": serving.queue_max_concurrent if serving else settings.ENGINE_MAX_SEQUENCES,
-                "queue_max_pending": settings.MAX_PENDING_REQUESTS,
-                "in_flight": sum(engine.in_flight for engine in active),
-                "queue_waiting": sum(engine.queue_waiting for engine in active),
-                "estimated_wait_seconds": serving.estimated_wait_seconds if serving else None,
+                backend="batched" if serving and serving.queue_max_concurrent > 1 else "serial",
+                queue_pending=sum(engine.queue_waiting + engine.in_flight for engine in active),
+                queue_max_concurrent=serving.queue_max_concurrent if serving else settings.ENGINE_MAX_SEQUENCES,
+                queue_max_pending=settings.MAX_PENDING_REQUESTS,
+                in_flight=sum(engine.in_flight for engine in active),
+                queue_waiting=sum(engine.queue_waiting for engine in active),
+                estimated_wait_seconds=serving.estimated_wait_seconds if serving else None,
                 # Unknown until the batch runner reports it: null, never a fake 0.
-                "batch_backlog_rows": _backlog(active),
-            },
-        }
+                batch_backlog_rows=_backlog(active),
+            ),
+        )
     )
 
 
@@ -131,6 +172,7 @@ def _backlog(engines):
     return sum(figures)
 
 
+@documented(GET=Op("Prometheus metrics", {200: {"text/plain": {"type": "string"}}}, envelope="none"))
 @csrf_exempt
 @require_GET
 def metrics_view(request):

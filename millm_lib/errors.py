@@ -10,6 +10,8 @@ import math
 
 from django.http import HttpResponse
 
+from millm_lib.shapes import ManagementError, ManagementErrorBody, OpenAIError, OpenAIErrorBody
+
 TYPE_BY_STATUS = {401: "authentication_error", 429: "rate_limit_error"}
 HEALTH_PATHS = ("/api/health",)
 
@@ -35,16 +37,16 @@ class ApiError(Exception):
         self.details = details
 
     def body(self):
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return OpenAIError(error=OpenAIErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
 
     def management_body(self):
-        return {
-            "success": False,
-            "data": None,
+        return ManagementError(
+            success=False,
+            data=None,
             # The field goes in details when nothing more precise does (the envelope has no param).
-            "error": {"code": self.code.upper(), "message": self.message,
-                      "details": self.details or ({"field": self.param} if self.param else {})},
-        }
+            error=ManagementErrorBody(code=self.code.upper(), message=self.message,
+                                      details=self.details or ({"field": self.param} if self.param else {})),
+        )
 
     def to_wire(self):
         """A plain dict that crosses the channel layer and becomes an ApiError again."""

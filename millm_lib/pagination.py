@@ -22,14 +22,15 @@ def cursor_page(queryset, after=None, limit=20, order="desc"):
     return items[:limit], len(items) > limit
 
 
-def list_page(data, has_more):
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+def list_page(shape, data, has_more):
+    """One page as OpenAI lists it, built by the list's own shape (FileList, BatchList)."""
+    return shape(
+        object="list",
+        data=data,
+        first_id=data[0]["id"] if data else None,
+        last_id=data[-1]["id"] if data else None,
+        has_more=has_more,
+    )
 
 
 def query_int(request, name, default, low, high):

@@ -43,7 +43,7 @@ def cycles(edges):
             elif nxt not in trail and nxt > trail[0]:  # each cycle once, from its smallest name
                 walk(nxt, trail + [nxt])
 
-    for start in PACKAGES:
+    for start in sorted(edges):
         walk(start, [start])
     return found
 

@@ -14,7 +14,6 @@ import hashlib
 import logging
 import os
 import socket
-from datetime import timedelta
 
 import psycopg
 from asgiref.sync import sync_to_async
@@ -26,8 +25,6 @@ from inference_app.models import Engine, Lease, ModelEntry
 from millm_lib.db import conninfo
 
 log = logging.getLogger("millm.engine")
-
-STALE_ROW_RETENTION = timedelta(days=1)
 
 
 def advisory_key(model_id):
@@ -47,16 +44,9 @@ class Presence:
 
     def register(self):
         worker = self.worker
-        Engine.objects.filter(heartbeat_at__lt=timezone.now() - STALE_ROW_RETENTION).delete()
-        return Engine.objects.create(
-            id=worker.engine_id,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            channel=worker.channel,
-            model_id=worker.source.model_id,
-            role=Engine.Role.STANDBY,
-            queue_max_concurrent=worker.slot.slots,
-            queue_max_pending=worker.slot.max_pending,
+        return Engine.objects.register(
+            worker.engine_id, socket.gethostname(), os.getpid(), worker.channel, worker.source.model_id,
+            max_concurrent=worker.slot.slots, max_pending=worker.slot.max_pending,
         )
 
     def try_become_active(self):
@@ -120,23 +110,11 @@ class Presence:
     def activate(self):
         """Start-up, once the advisory lock is ours: end the leases a restart ends, and correct
         the catalogue states a dead engine left."""
-        model_id, engine_id = self.worker.source.model_id, self.worker.engine_id
-        # A restart ends every lease: they are deleted, so a renew answers 404 lease_not_found.
-        live = list(Engine.objects.live().values_list("pk", flat=True))
-        Lease.objects.filter(model_id=model_id).delete()
-        Lease.objects.exclude(engine_id__in=live).delete()
-        serving = Engine.objects.live().exclude(resident_model_id=None).values_list("resident_model_id", flat=True)
-        ModelEntry.objects.filter(state__in=["resident", "loading", "unloading"]).exclude(id__in=list(serving)).update(
-            state=ModelEntry.State.AVAILABLE
-        )
-        # We hold the model's lock, so another row active for this model is a dead process (or one
-        # that lost the lock and is stopping): it serves nothing from now on, whatever its last
-        # heartbeat says, and requests are not routed to it while it goes stale.
-        Engine.objects.filter(model_id=model_id, role=Engine.Role.ACTIVE).exclude(pk=engine_id).update(
-            role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
-        )
+        model_id = self.worker.source.model_id
+        Lease.objects.forget_on_restart(model_id)
+        ModelEntry.objects.release_unserved()
         self.role = Engine.Role.ACTIVE
-        Engine.objects.filter(pk=engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
+        Engine.objects.take_over(self.worker.engine_id, model_id)
 
     def heartbeat(self):
         worker = self.worker
@@ -152,14 +130,13 @@ class Presence:
             "in_flight": worker.slot.holding,
             "estimated_wait_seconds": worker.slot.estimated_wait_seconds(),
         }
-        if not Engine.objects.filter(pk=worker.engine_id).update(**figures):
-            # Someone deleted our row (an operator, a test flush): register again.
+        if not Engine.objects.report_heartbeat(worker.engine_id, **figures):
             self.register()
-            Engine.objects.filter(pk=worker.engine_id).update(**figures)
+            Engine.objects.report_heartbeat(worker.engine_id, **figures)
 
     def unregister(self):
         """Delete our row and close the lock's connection (which frees the lock)."""
-        Engine.objects.filter(pk=self.worker.engine_id).delete()
+        Engine.objects.unregister(self.worker.engine_id)
         if self._lock_connection is not None:
             self._lock_connection.close()
             self._lock_connection = None

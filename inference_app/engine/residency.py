@@ -22,7 +22,6 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import IntegrityError, close_old_connections, connection, transaction
-from django.utils import timezone
 
 from inference_app import events, weight_uploads
 from inference_app.catalogue import ModelSource, model_not_found, model_not_resident
@@ -33,6 +32,7 @@ from inference_app.engine.serving import send_to, weights_torn
 from millm_lib.errors import ApiError, internal_error
 from inference_app.leases import check_lease_allows
 from inference_app.models import Engine, Lease, ModelEntry, Probe
+from inference_app.shapes import SavedCheckpoint, WeightsState
 
 log = logging.getLogger("millm.engine")
 
@@ -69,8 +69,8 @@ class Residency:
         engine_id = self.worker.engine_id
         entry, source = self._entry_and_source(model_id)
         self.unload_resident("the model was swapped out")
-        ModelEntry.objects.filter(pk=entry.pk).update(state=ModelEntry.State.LOADING, state_detail="")
-        Engine.objects.filter(pk=engine_id).update(loading_model_id=entry.pk)
+        entry.mark_loading()
+        Engine.objects.set_loading(engine_id, entry.pk)
         close_old_connections()
         try:
             loaded = load_model(source)
@@ -78,44 +78,28 @@ class Residency:
                 weights.apply_checkpoint(loaded.model, entry.source)
                 loaded.revision = entry.revision
         except Exception as error:
-            ModelEntry.objects.filter(pk=entry.pk).update(state=ModelEntry.State.ERROR, state_detail=str(error)[:2000])
-            Engine.objects.filter(pk=engine_id).update(loading_model_id=None)
+            entry.mark_load_failed(error)
+            Engine.objects.set_loading(engine_id, None)
             raise
         close_old_connections()
-        self.runtime = ResidentModel(loaded, model_id=entry.pk)
+        runtime = self.runtime = ResidentModel(loaded, model_id=entry.pk)
         torn = startup and entry.weights_state == ModelEntry.Weights.TORN
         self.weights_torn = torn
         if torn:
             log.warning("the weights of %s were left torn (an edit began and never committed): "
                         "no request or batch row runs until a load or a commit", entry.pk)
-        ModelEntry.objects.filter(pk=entry.pk).update(
-            weights_state=ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN,
-            state=ModelEntry.State.RESIDENT,
-            revision=loaded.revision,
-            dtype=self.runtime.dtype_name,
-            context_length=self.runtime.context_length,
-            hidden_size=self.runtime.hidden_size,
-            num_layers=self.runtime.num_layers,
+        entry.mark_resident(
+            torn, revision=loaded.revision, dtype=runtime.dtype_name, context_length=runtime.context_length,
+            hidden_size=runtime.hidden_size, num_layers=runtime.num_layers,
         )
-        Engine.objects.filter(pk=engine_id).update(
-            role=Engine.Role.ACTIVE, resident_model_id=entry.pk, loading_model_id=None, heartbeat_at=timezone.now(),
-            weights_state=ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN,
-        )
+        Engine.objects.mark_resident(engine_id, entry.pk, torn)
         self.worker.presence.role = Engine.Role.ACTIVE
-        return self.runtime
+        return runtime
 
     def _entry_and_source(self, model_id):
         source = self.worker.source
         if model_id is None or model_id == source.model_id:
-            entry, _ = ModelEntry.objects.update_or_create(
-                id=source.model_id,
-                defaults={
-                    "source": str(source.path),
-                    "source_format": source.format,
-                    "quantization": source.quantization,
-                },
-            )
-            return entry, source
+            return ModelEntry.objects.record_engine_model(source), source
         entry = ModelEntry.objects.get(pk=model_id)
         weights_of = entry.root  # a checkpoint loads its base model first
         return entry, ModelSource(Path(weights_of.source), weights_of.source_format, entry.pk, weights_of.quantization)
@@ -132,10 +116,9 @@ class Residency:
             import torch
 
             torch.cuda.empty_cache()
-        Lease.objects.filter(model_id=model_id).end_all(reason)
-        Engine.objects.filter(pk=engine_id).update(resident_model_id=None)
-        if not Engine.objects.live().exclude(pk=engine_id).filter(resident_model_id=model_id).exists():
-            ModelEntry.objects.filter(pk=model_id).update(state=ModelEntry.State.AVAILABLE)
+        Lease.objects.end_all(reason, model_id=model_id)
+        Engine.objects.set_resident(engine_id, None)
+        ModelEntry.objects.release_unless_served(model_id, engine_id)
 
     def probes_for(self, request):
         """The probe specs a probe-score request scores, checked against the resident model."""
@@ -269,10 +252,10 @@ class Residency:
             runtime = self.runtime
             if op == "begin":
                 self._set_weights_state(runtime.model_id, torn=True)
-                return {"model": runtime.model_id, "weights": ModelEntry.Weights.TORN}
+                return WeightsState(model=runtime.model_id, weights=ModelEntry.Weights.TORN)
             if op == "commit":
                 self._set_weights_state(runtime.model_id, torn=False)
-                return {"model": runtime.model_id, "weights": ModelEntry.Weights.CLEAN}
+                return WeightsState(model=runtime.model_id, weights=ModelEntry.Weights.CLEAN)
             if op == "write":
                 if not self.weights_torn:
                     raise ApiError(
@@ -282,7 +265,7 @@ class Residency:
                 tensors = weights.read_tensors(weight_uploads.read(message["upload"]))
                 written = weights.write(runtime.model, tensors)
                 log.info("wrote %d tensor(s) of %s", len(written), runtime.model_id)
-                return {"model": runtime.model_id, "weights": ModelEntry.Weights.TORN, "written": written}
+                return WeightsState(model=runtime.model_id, weights=ModelEntry.Weights.TORN, written=written)
             if self.weights_torn:
                 raise weights_torn(runtime.model_id)
             return self._save(runtime)
@@ -291,8 +274,8 @@ class Residency:
 
     def _set_weights_state(self, model_id, torn):
         state = ModelEntry.Weights.TORN if torn else ModelEntry.Weights.CLEAN
-        ModelEntry.objects.filter(pk=model_id).update(weights_state=state)
-        Engine.objects.filter(pk=self.worker.engine_id).update(weights_state=state)
+        ModelEntry.objects.set_weights(model_id, state)
+        Engine.objects.set_weights(self.worker.engine_id, state)
         self.weights_torn = torn
         log.info("the weights of %s are %s", model_id, state)
 
@@ -324,13 +307,12 @@ class Residency:
         finally:
             shutil.rmtree(staged, ignore_errors=True)  # gone already, unless the entry was not made
         runtime.rename(checkpoint.pk, revision)
-        Lease.objects.live().filter(model_id=previous.pk).update(model_id=checkpoint.pk)
-        Engine.objects.filter(pk=engine_id).update(resident_model_id=checkpoint.pk)
-        if not Engine.objects.live().exclude(pk=engine_id).filter(resident_model_id=previous.pk).exists():
-            ModelEntry.objects.filter(pk=previous.pk).update(state=ModelEntry.State.AVAILABLE)
+        Lease.objects.follow_rename(previous.pk, checkpoint.pk)
+        Engine.objects.set_resident(engine_id, checkpoint.pk)
+        ModelEntry.objects.release_unless_served(previous.pk, engine_id)
         log.info("saved the weights of %s as %s (%s)", previous.pk, checkpoint.pk, path)
-        return {"model": checkpoint.pk, "base": checkpoint.base_id, "renamed_from": previous.pk,
-                "revision": revision, "path": str(path)}
+        return SavedCheckpoint(model=checkpoint.pk, base=checkpoint.base_id, renamed_from=previous.pk,
+                               revision=revision, path=str(path))
 
 
 def torch_cuda_available():

@@ -19,7 +19,32 @@ import torch
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
+from millm_lib.shapes import ManagementSuccess
 from inference_app.provenance import provenance_headers
+from inference_app.shapes import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    Embedding,
+    EmbeddingList,
+    EmbeddingUsage,
+    ProbeResult,
+    ProbeScores,
+    ProbeVerdict,
+    ScoredModel,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 DEFAULT_CHAT_MAX_TOKENS = 512
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -91,51 +116,45 @@ def chat_completion(runtime, parsed, cancelled=never_cancelled):
 
 
 def _chat_body(runtime, content, finish_reason, usage, logprobs=None):
-    return {
-        "id": new_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": runtime.model_id,
-        "system_fingerprint": runtime.fingerprint,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content, "refusal": None},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
+    return ChatCompletion(
+        id=new_id("chatcmpl-"),
+        object="chat.completion",
+        created=int(time.time()),
+        model=runtime.model_id,
+        system_fingerprint=runtime.fingerprint,
+        choices=[
+            ChatChoice(
+                index=0,
+                message=AssistantMessage(role="assistant", content=content, refusal=None),
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+            )
         ],
-        "usage": usage,
-    }
+        usage=usage,
+    )
 
 
 def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
     prompt_ids = runtime.encode(runtime.render_chat(request.messages))
     max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
-    completion_id, created = new_id("chatcmpl-"), int(time.time())
+    # A chunk per token: what every chunk of this stream repeats is built once.
+    head = ChatCompletionChunk(id=new_id("chatcmpl-"), object="chat.completion.chunk", created=int(time.time()),
+                               model=runtime.model_id, system_fingerprint=runtime.fingerprint, choices=[])
 
     def chunk(delta, finish_reason=None):
-        return {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": runtime.model_id,
-            "system_fingerprint": runtime.fingerprint,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        body = head.copy()
+        body["choices"] = [ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)]
+        return body
 
     def chunks():
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk(ChatDelta(role="assistant", content=""))
         assembler = TextAssembler(runtime, request.stop_sequences())
         for delta in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
-            yield chunk({"content": delta})
-        yield chunk({}, assembler.finish_reason)
+            yield chunk(ChatDelta(content=delta))
+        yield chunk(ChatDelta(), assembler.finish_reason)
         if request.include_usage():
-            final = chunk({})
-            final["choices"] = []
-            final["usage"] = _usage(len(prompt_ids), assembler.produced)
-            yield final
+            yield {**head, "usage": _usage(len(prompt_ids), assembler.produced)}
 
     return headers_for(runtime, parsed), chunks()
 
@@ -152,39 +171,36 @@ def completion(runtime, parsed, cancelled=never_cancelled):
     choices, prompt_tokens, produced = [], 0, 0
     for index, (ids, limit) in enumerate(zip(encoded, limits)):
         text, finish_reason, count = _generate_text(runtime, request, ids, limit, cancelled)
-        choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        choices.append(CompletionChoice(index=index, text=text, logprobs=None, finish_reason=finish_reason))
         prompt_tokens += len(ids)
         produced += count
     return ServiceResult(_completion_body(runtime, choices, _usage(prompt_tokens, produced)), headers_for(runtime, parsed))
 
 
 def _completion_body(runtime, choices, usage):
-    return {
-        "id": new_id("cmpl-"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": runtime.model_id,
-        "system_fingerprint": runtime.fingerprint,
-        "choices": choices,
-        "usage": usage,
-    }
+    return Completion(
+        id=new_id("cmpl-"),
+        object="text_completion",
+        created=int(time.time()),
+        model=runtime.model_id,
+        system_fingerprint=runtime.fingerprint,
+        choices=choices,
+        usage=usage,
+    )
 
 
 def completion_stream(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
     prompt_ids = runtime.encode(request.prompts()[0])
     max_tokens = _max_tokens(runtime, prompt_ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-    completion_id, created = new_id("cmpl-"), int(time.time())
+    # A chunk per token: what every chunk of this stream repeats is built once.
+    head = CompletionChunk(id=new_id("cmpl-"), object="text_completion", created=int(time.time()),
+                           model=runtime.model_id, system_fingerprint=runtime.fingerprint, choices=[])
 
     def chunk(text, finish_reason=None):
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": runtime.model_id,
-            "system_fingerprint": runtime.fingerprint,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        body = head.copy()
+        body["choices"] = [CompletionChunkChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)]
+        return body
 
     def chunks():
         assembler = TextAssembler(runtime, request.stop_sequences())
@@ -192,10 +208,7 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
             yield chunk(delta)
         yield chunk("", assembler.finish_reason)
         if request.include_usage():
-            final = chunk("")
-            final["choices"] = []
-            final["usage"] = _usage(len(prompt_ids), assembler.produced)
-            yield final
+            yield {**head, "usage": _usage(len(prompt_ids), assembler.produced)}
 
     return headers_for(runtime, parsed), chunks()
 
@@ -263,9 +276,9 @@ def build(runtime, parsed, encoded, outputs):
     elif parsed.endpoint == CHAT:
         count = _top_count(request.top_logprobs, request.allowed_token_ids)
         chosen, logprob, top = score_from_logits(outputs[0], request.temperature, request.allowed_token_ids, count)
-        entry = _token_entry(runtime, chosen, logprob)
-        entry["top_logprobs"] = [_token_entry(runtime, token_id, value) for token_id, value in top]
-        logprobs = {"content": [entry], "refusal": None}
+        entry = TokenLogprob(**_token_entry(runtime, chosen, logprob),
+                             top_logprobs=[_token_entry(runtime, token_id, value) for token_id, value in top])
+        logprobs = ChatLogprobs(content=[entry], refusal=None)
         body = _chat_body(runtime, runtime.token_string(chosen), "length", _usage(len(encoded[0]), 1), logprobs)
     else:
         count = _top_count(request.logprobs, request.allowed_token_ids)
@@ -276,12 +289,12 @@ def build(runtime, parsed, encoded, outputs):
             top_map = {}
             for token_id, value in top:
                 top_map.setdefault(runtime.token_string(token_id), value)
-            choices.append({
-                "index": index,
-                "text": token,
-                "logprobs": {"tokens": [token], "token_logprobs": [logprob], "top_logprobs": [top_map], "text_offset": [0]},
-                "finish_reason": "length",
-            })
+            choices.append(CompletionChoice(
+                index=index,
+                text=token,
+                logprobs=CompletionLogprobs(tokens=[token], token_logprobs=[logprob], top_logprobs=[top_map], text_offset=[0]),
+                finish_reason="length",
+            ))
         usage = _usage(sum(len(ids) for ids in encoded), len(encoded))
         body = _completion_body(runtime, choices, usage)
     return ServiceResult(body, headers_for(runtime, parsed))
@@ -312,7 +325,7 @@ def _top_count(requested, allowed_token_ids):
 
 
 def _token_entry(runtime, token_id, logprob):
-    return {"token": runtime.token_string(token_id), "logprob": logprob, "bytes": runtime.token_bytes(token_id)}
+    return TopLogprob(token=runtime.token_string(token_id), logprob=logprob, bytes=runtime.token_bytes(token_id))
 
 
 # --- embeddings ---
@@ -328,11 +341,12 @@ def embeddings(runtime, parsed):
 
 def _embeddings_body(runtime, request, encoded, vectors):
     data = [
-        {"object": "embedding", "index": index, "embedding": encode_vector(vector, request.encoding_format)}
+        Embedding(object="embedding", index=index, embedding=encode_vector(vector, request.encoding_format))
         for index, vector in enumerate(vectors)
     ]
     tokens = sum(len(ids) for ids in encoded)
-    return {"object": "list", "data": data, "model": runtime.model_id, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return EmbeddingList(object="list", data=data, model=runtime.model_id,
+                         usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 def encode_vector(vector, encoding_format):
@@ -361,11 +375,12 @@ def probe_score(runtime, parsed, probes):
             per_token = reader.per_token(states[reader.layer + 1][0])
             for window in request.windows:
                 verdicts.append(reader.verdict(per_token, window, prompt_tokens))
-        result = {"index": index, "n_tokens": len(token_ids), "prompt_tokens": prompt_tokens, "verdicts": verdicts}
+        result = ProbeResult(index=index, n_tokens=len(token_ids), prompt_tokens=prompt_tokens, verdicts=verdicts)
         if request.return_token_ids:
             result["token_ids"] = token_ids
         results.append(result)
-    body = {"success": True, "data": {"model": {"id": runtime.model_id}, "results": results}, "error": None}
+    scores = ProbeScores(model=ScoredModel(id=runtime.model_id), results=results)
+    body = ManagementSuccess(success=True, data=scores, error=None)
     return ServiceResult(body, provenance_headers(runtime.model_id, PROBE_SCORE))
 
 
@@ -433,7 +448,7 @@ class _ProbeReader:
         entry = {"probe_id": spec["id"], "name": spec["name"], "window": window, "threshold": spec["threshold"]}
         if selected.numel() == 0:
             reason = "the input has no response tokens" if window == "response" else "the input has no prompt tokens"
-            return {**entry, "score": None, "verdict": None, "not_scored_reason": reason}
+            return ProbeVerdict(**entry, score=None, verdict=None, not_scored_reason=reason)
         aggregation = spec["aggregation"]
         if aggregation == "mean":
             score = float(selected.mean())
@@ -442,7 +457,7 @@ class _ProbeReader:
         else:
             score = float(selected[-1])
         verdict = None if spec["threshold"] is None else score >= spec["threshold"]
-        return {**entry, "score": score, "verdict": verdict}
+        return ProbeVerdict(**entry, score=score, verdict=verdict)
 
 
 # --- generation helpers ---
@@ -506,11 +521,11 @@ def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler)
 
 
 def _usage(prompt_tokens, completion_tokens):
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
 
 
 class TextAssembler:

@@ -18,7 +18,7 @@ import time
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
-from inference_app.catalogue import model_not_found, model_not_loaded, model_not_resident
+from inference_app.catalogue import check_request_may_load, model_not_found, model_not_loaded
 from inference_app.engine import services
 from inference_app.engine.admission import QueueFull
 from inference_app.engine.scheduler import SeatedRuntime
@@ -165,11 +165,8 @@ class Serving:
             entry = await sync_to_async(ModelEntry.objects.filter(pk=model_id).first)()
             if entry is None:
                 raise model_not_found(model_id, f"The model '{model_id}' does not exist")
-            if entry.kind == ModelEntry.Kind.CHECKPOINT:
-                raise model_not_found(model_id, f"The checkpoint '{model_id}' is not resident; a request never loads a checkpoint")
             current = residency.runtime.model_id if residency.runtime else None
-            if message.get("load_policy") == "refuse":
-                raise model_not_resident(model_id, current)
+            check_request_may_load(entry, message.get("load_policy"), current)
             await sync_to_async(check_lease_allows)(current, message.get("lease"), "loading another model")
             try:
                 await residency.swap(model_id)

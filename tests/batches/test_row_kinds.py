@@ -3,7 +3,8 @@ decided as the service functions decide it."""
 
 import pytest
 
-from batches_app.runner import _generates
+from batches_app.models import BatchRow
+from batches_app.runner import PendingRow
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -22,4 +23,4 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ],
 )
 def test_a_row_generates_exactly_when_the_service_function_would_generate(endpoint, body, generates):
-    assert _generates(endpoint, body) is generates
+    assert PendingRow.of(endpoint, BatchRow(body=body)).generates is generates

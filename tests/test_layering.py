@@ -1,0 +1,101 @@
+"""The packages' layering (issue 15): millm_lib imports no app, files_app imports only millm_lib,
+no app imports the site, and no package-level cycle is left. Read from the source by
+`scripts/import_graph.py`, the same script the README names."""
+
+import ast
+import importlib.util
+
+from tests.conftest import ROOT
+
+_spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(import_graph)
+
+APPS = ("files_app", "inference_app", "batches_app")
+
+
+def test_the_shared_package_imports_no_app_and_files_import_only_it():
+    edges = import_graph.graph()
+    assert edges["millm_lib"] == set()
+    assert edges["files_app"] == {"millm_lib"}
+
+
+def test_no_app_imports_the_site():
+    edges = import_graph.graph()
+    assert [app for app in APPS if "millm_site" in edges[app]] == []
+
+
+def test_no_package_level_cycle_is_left():
+    assert import_graph.cycles(import_graph.graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert import_graph.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+# --- who writes state (issue 15, point 2) ---
+
+WRITES = {"update", "delete", "create", "bulk_create", "bulk_update", "get_or_create", "update_or_create", "save", "_move"}
+STORAGE = {"storage", "file_storage"}  # file storages save and delete bytes, not rows
+
+
+def _receiver_names(node):
+    """Every name and attribute along a call's receiver chain: `Batch.objects.filter(...).update`
+    gives {"Batch", "objects", "filter"}."""
+    names = set()
+    while True:
+        if isinstance(node, ast.Call):
+            node = node.func
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+            return names
+        else:
+            return names
+
+
+def row_writes(path, models):
+    """(line, call) of each write whose receiver names one of `models` (or a manager, a related
+    manager or a model instance's own save/_move) in one source file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WRITES):
+            continue
+        receiver = _receiver_names(node.func.value)
+        if receiver & STORAGE:
+            continue
+        if node.func.attr in ("save", "_move") or receiver & (models | {"objects", "rows"}):
+            found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def _sources(package, owner):
+    return [path for path in (ROOT / package).rglob("*.py")
+            if "migrations" not in path.parts and path != ROOT / package / owner]
+
+
+def test_no_batch_state_is_written_outside_the_batch_models():
+    writes = {str(path.relative_to(ROOT)): row_writes(path, {"Batch", "BatchRow", "batch"})
+              for path in _sources("batches_app", "models.py")}
+    assert {path: found for path, found in writes.items() if found} == {}
+
+
+def test_no_engine_model_or_lease_row_is_written_outside_the_inference_models():
+    writes = {str(path.relative_to(ROOT)): row_writes(path, {"Engine", "ModelEntry", "Lease", "lease", "entry"})
+              for package in ("inference_app", "batches_app")
+              for path in _sources(package, "models.py")}
+    assert {path: found for path, found in writes.items() if found} == {}
+
+
+def test_the_write_finder_sees_the_writes_it_looks_for(tmp_path):
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "Batch.objects.filter(pk=1).update(status='x')\n"
+        "batch._move(['a'], 'b')\n"
+        "self.batch.rows.filter(line=1).delete()\n"
+        "file_storage().delete('name')\n"
+        "context.update(a=1)\n"
+    )
+    assert [line for line, _ in row_writes(source, {"Batch"})] == [1, 2, 3]
