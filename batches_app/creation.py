@@ -54,7 +54,7 @@ def create_batch(body, lease_header=None, idempotency_key=None):
         batched_decoding = settings.BATCH_DECODING_DEFAULT
     if not isinstance(batched_decoding, bool):
         raise refuse(f"batched_decoding must be true or false, got {batched_decoding!r}", "batched_decoding")
-    lease = leasing.lease_for_new_batch(lease_header)
+    lease = leasing.lease_for_new_batch(lease_header, input_file, endpoint)
     now = timezone.now()
     batch = Batch(
         id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],

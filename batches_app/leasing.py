@@ -7,11 +7,15 @@ batch leases never block a batch create nor another batch (batches queue, they d
 other); an outside holder's live lease does.
 """
 
+import json
+
 from django.utils import timezone
 
+from inference_app.catalogue import resolve
 from inference_app.leases import LEASE_HEADER, lease_expired, model_leased, presented_lease
 from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
+from millm_lib.limits import PROBE_SCORE
 
 OWN = "own"
 CALLER = "caller"
@@ -26,17 +30,42 @@ def is_batch_lease(lease):
     return lease.holder.startswith(HOLDER_PREFIX)
 
 
-def lease_for_new_batch(header):
+def lease_for_new_batch(header, input_file, endpoint):
     """A presented lease: unknown 404, ended 409. Not presented: an outside holder's live lease
-    blocks the create (409); the server's own batch leases never do."""
+    on the batch's model blocks the create (409); the server's own batch leases never do, nor a
+    lease on another model (two engines, two models: a lease on one never refuses the other's
+    batches). The batch's model is the one its input file's first lines name; where they name
+    none (a probe-score batch scores on whatever is resident), any outside lease blocks, and
+    validation decides again with every line."""
     presented = presented_lease(header)
     if presented is not None:
         if not presented.live:
             raise lease_expired(presented)
         return presented
-    outside = Lease.objects.live().exclude(holder__startswith=HOLDER_PREFIX).first()
-    if outside is not None:
-        raise model_leased(outside, "a batch")
+    outside = Lease.objects.live().exclude(holder__startswith=HOLDER_PREFIX)
+    if not outside.exists():
+        return None  # the usual case: no file read
+    model = None if endpoint == PROBE_SCORE else named_model(input_file)
+    blocking = outside.filter(model_id=model).first() if model else outside.first()
+    if blocking is not None:
+        raise model_leased(blocking, "a batch")
+    return None
+
+
+def named_model(input_file, lines=100):
+    """The catalogue id the first of the file's first `lines` lines that names a model resolves
+    to (an unknown name as written), or None: a hint for the create-time check only."""
+    with input_file.open_content() as handle:
+        for _, raw in zip(range(lines), handle):
+            try:
+                model = json.loads(raw).get("body", {}).get("model")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(model, str) and model:
+                try:
+                    return resolve(model).pk
+                except ApiError:
+                    return model
     return None
 
 

@@ -498,7 +498,7 @@ class JSONText(models.TextField):
         return json.loads(value) if isinstance(value, str) else value
 
     def get_prep_value(self, value):
-        return None if value is None else json.dumps(value, ensure_ascii=False)
+        return None if value is None else json.dumps(value)
 
 
 class BatchRow(models.Model):

@@ -121,7 +121,7 @@ def requestable():
     renamed = renamed_models(resident)
     return [
         entry for entry in ModelEntry.objects.order_by("-created_at", "-id")
-        if (entry.pk in resident if entry.kind == ModelEntry.Kind.CHECKPOINT else entry.pk not in renamed)
+        if (entry.pk in resident if not entry.requests_may_load else entry.pk not in renamed)
     ]
 
 

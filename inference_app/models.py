@@ -228,9 +228,6 @@ class EngineQuerySet(models.QuerySet):
         """The live active engine whose resident model is `model_id`, if any."""
         return self.live().active().filter(resident_model_id=model_id).order_by("-heartbeat_at").first()
 
-    def loading(self, model_id):
-        return self.live().active().filter(loading_model_id=model_id).order_by("-heartbeat_at").first()
-
     # --- an engine's own row: only that engine writes it ---
 
     def register(self, engine_id, host, pid, channel, model_id, max_concurrent, max_pending):

@@ -232,7 +232,6 @@ class LoadRequest(ManagementSchema):
     engine: NonEmptyStr | None = None
 
 
-
 SCHEMAS = {
     CHAT: ChatCompletionRequest,
     COMPLETIONS: CompletionRequest,
@@ -245,8 +244,6 @@ class ParsedRequest:
     endpoint: str
     request: Schema
     ignored: list[str] = field(default_factory=list)
-
-
 
 
 def parse_strict_header(value):

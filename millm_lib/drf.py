@@ -39,7 +39,7 @@ def _management(context):
 
 
 class JSONParser(parsers.JSONParser):
-    """The routes' own decoding (schemas.decode_json): the same refusals for the same bodies,
+    """The routes' own decoding (millm_lib.jsonbody.decode_json): the same refusals for the same bodies,
     nesting too deep, U+0000 and lone surrogates included."""
 
     def parse(self, stream, media_type=None, parser_context=None):

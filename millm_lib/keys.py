@@ -26,8 +26,8 @@ def socket_key(header, query_string, auth=None):
     the Authorization header as on HTTP routes, then `?token=` (browsers cannot set headers on a
     WebSocket). "" when none is presented."""
     token = auth.get("token") if isinstance(auth, dict) else None
-    if isinstance(token, str) and token:
-        return token
+    if token:
+        return token if isinstance(token, str) else ""  # a number or an object is no key
     if isinstance(query_string, bytes):
-        query_string = query_string.decode("latin-1")
+        query_string = query_string.decode("utf-8", "replace")
     return bearer_token(header) or (parse_qs(query_string or "").get("token") or [""])[0]

@@ -44,6 +44,22 @@ def test_assembling_an_ended_batch_again_changes_no_file_and_no_count(start_engi
     assert files_and_counts(batch.pk) == assembled
 
 
+def test_an_assembly_that_finds_its_batch_ended_meanwhile_records_nothing_and_leaves_no_bytes(start_engine):
+    batch = BatchFactory(input_file=FileFactory(lines=requests_of([generation("One")])))
+    run_engine_until(start_engine(), batch_is(batch.pk))
+    ended = Batch.objects.get(pk=batch.pk)
+    assembled = files_and_counts(batch.pk)
+    # A copy read before the end (same claim): its assembly gets past the early return and
+    # reaches the end's write, which must find the batch ended and write nothing.
+    stale = Batch.objects.get(pk=batch.pk)
+    stale.status, stale.end_status = Batch.Status.FINALIZING, None
+    assert ended.claim_token is not None and stale.claim_token == ended.claim_token
+
+    assembly.assemble(stale)
+
+    assert files_and_counts(batch.pk) == assembled
+
+
 def test_a_batch_left_finalizing_by_a_dead_engine_is_assembled_once(start_engine, resident):
     bodies = [generation("One"), generation("Two")]
     batch = BatchFactory(input_file=FileFactory(lines=requests_of(bodies)), status=Batch.Status.FINALIZING,

@@ -232,9 +232,12 @@ def test_an_engine_that_lost_its_claim_can_record_and_assemble_nothing(start_eng
 
 
 def test_a_row_whose_answer_holds_u0000_does_not_jam_its_batch(start_engine):
-    nul_token = {"model": MODEL, "prompt": "x", "max_tokens": 1, "allowed_token_ids": [190, 191]}
+    nul_token = {"model": MODEL, "prompt": "x", "max_tokens": 1, "allowed_token_ids": [190]}  # 190 is "\x00"
     batch = BatchFactory(input_file=FileFactory(lines=requests_of([generation("One"), nul_token])))
 
     run_engine_until(start_engine(), batch_is(batch.pk), timeout=10)
 
-    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.COMPLETED
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == Batch.Status.COMPLETED
+    answer = [line for line in lines_of(batch.output_file) if line["custom_id"] == "row-2"][0]
+    assert answer["response"]["body"]["choices"][0]["text"] == "\x00"
