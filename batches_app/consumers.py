@@ -7,12 +7,12 @@ from django.conf import settings
 
 from batches_app import events
 from batches_app.models import Batch
-from millm_lib.keys import key_is_valid, socket_key
+from millm_lib.keys import key_is_valid, origin_allowed, socket_key
 
 
 class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
-        if not self._authorised():
+        if not self._same_origin() or not self._authorised():
             await self.close(code=4401)
             return
         self.batch_id = self.scope["url_route"]["kwargs"].get("batch_id")
@@ -37,9 +37,17 @@ class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
             return [events.progress(batch)] if batch else []
         return [events.progress(batch) for batch in Batch.objects.unfinished().order_by("created_at")[:100]]
 
+    def _same_origin(self):
+        headers = dict(self.scope.get("headers") or [])
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        return origin_allowed(origin, headers.get(b"host", b"").decode("latin-1"), settings.MILLM_ALLOWED_ORIGINS)
+
     def _authorised(self):
         keys = settings.MILLM_API_KEYS
         if not keys:
+            return True
+        user = self.scope.get("user")  # a staff session (the admin's own page) needs no key
+        if user is not None and user.is_active and user.is_staff:
             return True
         headers = dict(self.scope.get("headers") or [])
         token = socket_key(headers.get(b"authorization", b""), self.scope.get("query_string", b""))

@@ -1,36 +1,55 @@
 """Prometheus series about batches (SPEC 7: rows run and batch states), read from PostgreSQL when
 Prometheus scrapes, so any web process answers the same figures. Registered on inference_app's
-registry by this app's config: inference_app never imports batches_app."""
+registry by this app's config: inference_app never imports batches_app. Gauges, not counters:
+retention deletes ended batches and their rows, so these figures may go down."""
 
-from django.db.models import Count
+from django.db.models import Count, F, Sum
+from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
 from batches_app.models import Batch, BatchRow
 
 
 def _families():
-    batches = GaugeMetricFamily("millm_batches", "Batches in the database, by status", labels=["status"])
-    rows = GaugeMetricFamily(
-        "millm_batch_rows", "Rows of the batches in the database, by outcome (pending: not yet run)", labels=["outcome"]
-    )
-    return batches, rows
+    return {
+        "batches": GaugeMetricFamily("millm_batches", "Batches in the database, by status", labels=["status"]),
+        "rows": GaugeMetricFamily(
+            "millm_batch_rows", "Rows of the batches in the database, by endpoint and outcome (pending: not yet run)",
+            labels=["endpoint", "outcome"],
+        ),
+        "tokens": GaugeMetricFamily(
+            "millm_batch_tokens", "Tokens of the batches in the database: prompt (input) and generated (output)",
+            labels=["kind"],
+        ),
+        "rate": GaugeMetricFamily(
+            "millm_batch_rows_per_second", "Rows recorded per second since each running batch started running",
+            labels=["batch", "model"],
+        ),
+    }
 
 
 class BatchCollector:
     def describe(self):
         # Names only: registering must not query the database (it happens at app loading).
-        return list(_families())
+        return list(_families().values())
 
     def collect(self):
-        batches, rows = _families()
+        families = _families()
         by_status = dict(Batch.objects.order_by().values_list("status").annotate(n=Count("id")))
         for status in Batch.Status.values:
-            batches.add_metric([status], by_status.get(status, 0))
-        by_outcome = dict(BatchRow.objects.order_by().values_list("outcome").annotate(n=Count("id")))
-        for outcome in BatchRow.Outcome.values:
-            rows.add_metric([outcome], by_outcome.get(outcome, 0))
-        yield batches
-        yield rows
+            families["batches"].add_metric([status], by_status.get(status, 0))
+        counted = BatchRow.objects.order_by().values_list("batch__endpoint", "outcome").annotate(n=Count("id"))
+        for endpoint, outcome, count in counted:
+            families["rows"].add_metric([endpoint, outcome], count)
+        tokens = Batch.objects.aggregate(input=Sum("input_tokens"), output=Sum("output_tokens"))
+        for kind in ("input", "output"):
+            families["tokens"].add_metric([kind], tokens[kind] or 0)
+        now = timezone.now()
+        running = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, in_progress_at__isnull=False)
+        for batch_id, model, done, started in running.values_list("id", "model", F("completed") + F("failed"), "in_progress_at"):
+            seconds = (now - started).total_seconds()
+            families["rate"].add_metric([batch_id, model or ""], done / seconds if seconds > 0 else 0.0)
+        yield from families.values()
 
 
 _registered = False

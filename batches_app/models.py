@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from django.db import connection, models, transaction
 from django.db.models import Case, F, Q, When
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from batches_app import leasing
@@ -102,15 +103,36 @@ class BatchQuerySet(models.QuerySet):
 
     def note_why_waiting(self):
         """Each waiting batch says why: `queued` while a live engine has its model resident,
-        `model_not_resident` while none has."""
+        `model_not_resident` while none has. Returns the batches whose reason changed, as they
+        are now, for their `batch:progress` (a change of reason is a change like any other)."""
         serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
         waiting = self.waiting()
-        waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]).update(
-            waiting_reason=Batch.Waiting.QUEUED
+        changes = (
+            (waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]),
+             Batch.Waiting.QUEUED),
+            (waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT),
+             Batch.Waiting.MODEL_NOT_RESIDENT),
         )
-        waiting.exclude(model__in=serving).exclude(waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT).update(
-            waiting_reason=Batch.Waiting.MODEL_NOT_RESIDENT
-        )
+        changed = []
+        for batches, reason in changes:
+            ids = list(batches.values_list("pk", flat=True))
+            # Claimed meanwhile (another engine's sweep or claim): the filters hold in the UPDATE.
+            if ids and batches.filter(pk__in=ids).update(waiting_reason=reason):
+                changed += ids
+        return list(Batch.objects.filter(pk__in=changed, waiting_reason__isnull=False))
+
+    def ended_before(self, moment):
+        """Batches that ended (any end) before `moment`."""
+        ended_at = Coalesce("completed_at", "failed_at", "expired_at", "cancelled_at")
+        return self.filter(status__in=Batch.ENDED).alias(ended_at=ended_at).filter(ended_at__lt=moment)
+
+    def delete_ended(self):
+        """The ended batches of these deleted, their rows with them; an unfinished one is left
+        (an engine may be writing its rows). Returns how many batches went."""
+        with transaction.atomic():
+            ended = list(self.exclude(status__in=Batch.UNFINISHED).select_for_update().values_list("pk", flat=True))
+            Batch.objects.filter(pk__in=ended).exclude(status__in=Batch.UNFINISHED).delete()
+        return len(ended)
 
     def expire_waiting(self):
         """Waiting batches past expires_at end expired (the next engine to claim one assembles it)."""
@@ -139,6 +161,7 @@ class Batch(models.Model):
         WEIGHTS_TORN = "weights_torn"
 
     UNFINISHED = [Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING]
+    ENDED = [Status.COMPLETED, Status.FAILED, Status.EXPIRED, Status.CANCELLED]
 
     id = models.CharField(primary_key=True, max_length=40)
     endpoint = models.CharField(max_length=64)
@@ -425,7 +448,10 @@ class Batch(models.Model):
                 status=end, output_file=output_file, error_file=error_file, waiting_reason=None,
                 **{f"{end}_at": timezone.now()},
             )
-            BatchRow.objects.filter(batch=self).update(body=None)
+            # The files are the truth now: a row keeps what the console and resume read (line,
+            # custom_id, outcome, request id, packed), not the request, the answer (embedding
+            # vectors), the error or the headers.
+            BatchRow.objects.filter(batch=self).update(body=None, response=None, error=None, headers=None)
         return end
 
 

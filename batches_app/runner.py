@@ -407,7 +407,8 @@ class BatchRunner:
         close_old_connections()
         self._release_remembered()
         Batch.objects.release_stale_claims()
-        Batch.objects.note_why_waiting()
+        for batch in Batch.objects.note_why_waiting():
+            events.publish(batch)
         Batch.objects.expire_waiting()
         runtime = self.worker.runtime
         backlog = None  # unknown without a resident model: null, never a fake 0

@@ -24,14 +24,14 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency", "decoders", "cpu_levers"]
-RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "concurrency", "overhead", "roundtrip", "memory",
-             "packing", "decoders", "cpu_levers"]
+         "concurrency", "decoders", "cpu_levers", "retention"]
+RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "overhead",
+             "roundtrip", "memory", "packing", "decoders", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
 # it runs after the default model's stack is stopped and before the tiny one starts.
 STACK_MODEL = {"pipeline": "default", "interactive": "default", "interactive-batched": "default", "generation": "default",
-               "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
+               "retention": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
 # A part that is another part's module with other arguments (see sizes()), and its name in the table.
 MODULE = {"interactive-batched": "interactive"}
 LABEL = {"interactive-batched": "interactive (batched decoding)"}
@@ -58,6 +58,7 @@ def sizes(part, quick, tiny):
             "concurrency": ["--chats", "8", "32", "--max-tokens", "64"],
             "decoders": ["--prompts", "16", "--max-tokens", "64"],
             "cpu_levers": ["--max-tokens", "64", "--repeats", "3"],
+            "retention": ["--rows", "10000"],
         }[part]
     model = ["--model", tiny]
     return {
@@ -73,6 +74,7 @@ def sizes(part, quick, tiny):
         "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
         "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
         "cpu_levers": ["--max-tokens", "4", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
+        "retention": ["--rows", "20", *model],
     }[part]
 
 

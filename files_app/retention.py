@@ -1,7 +1,8 @@
 """Retention: expire files past `expires_at`, and sweep bytes no record owns.
 
 `prune_files()` runs at engine start-up and every BATCH_RETENTION_INTERVAL_S, and as
-`python manage.py prunefiles`. A file an unfinished batch references is never pruned.
+`python manage.py prune` (through batches_app.retention, which prunes ended batches too). A
+file an unfinished batch references is never pruned.
 """
 
 import logging

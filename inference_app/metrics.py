@@ -26,14 +26,19 @@ class EngineCollector:
         waiting = GaugeMetricFamily("millm_queue_waiting", "Interactive requests waiting", labels=["engine", "model"])
         in_flight = GaugeMetricFamily("millm_queue_in_flight", "Slot holders", labels=["engine", "model"])
         alive = GaugeMetricFamily("millm_engine_alive", "1 when the heartbeat is fresh", labels=["engine", "model"])
+        backlog = GaugeMetricFamily("millm_batch_backlog_rows", "Valid batch rows not yet run for the engine's model",
+                                    labels=["engine", "model"])
         for engine in Engine.objects.all():
             labels = [engine.id, engine.resident_model_id or engine.model_id]
             waiting.add_metric(labels, engine.queue_waiting)
             in_flight.add_metric(labels, engine.in_flight)
             alive.add_metric(labels, 1 if engine.alive else 0)
+            if engine.batch_backlog_rows is not None:  # unknown without a resident model: no sample, never a fake 0
+                backlog.add_metric(labels, engine.batch_backlog_rows)
         yield waiting
         yield in_flight
         yield alive
+        yield backlog
 
 
 registry.register(EngineCollector())

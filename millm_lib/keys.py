@@ -2,7 +2,7 @@
 the HTTP middleware, the WebSocket consumer and the Socket.IO server."""
 
 import hmac
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 
 def bearer_token(header):
@@ -31,3 +31,14 @@ def socket_key(header, query_string, auth=None):
     if isinstance(query_string, bytes):
         query_string = query_string.decode("utf-8", "replace")
     return bearer_token(header) or (parse_qs(query_string or "").get("token") or [""])[0]
+
+
+def origin_allowed(origin, host, allowed=()):
+    """A browser's socket may connect from the site's own origin (its host is the Host the
+    request was sent to) or from one `allowed` names (MILLM_ALLOWED_ORIGINS). No Origin at all is
+    not a browser (a browser always sends one on a WebSocket): the key check decides alone."""
+    if not origin:
+        return True
+    if origin in allowed:
+        return True
+    return bool(host) and urlsplit(origin).netloc == host

@@ -13,6 +13,7 @@ from django.core.asgi import get_asgi_application  # noqa: E402
 
 django_application = get_asgi_application()
 
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
@@ -51,6 +52,8 @@ application = ProtocolTypeRouter(
     {
         # The admin's own CSS and scripts are served here too: one process to run, no build step.
         "http": SocketIORouter(BodyLimitASGI(StaticFiles(django_application))),
-        "websocket": SocketIORouter(URLRouter(websocket_urlpatterns)),
+        # The session and user (channels' AuthMiddlewareStack): the admin's live progress needs
+        # no key with a staff login.
+        "websocket": SocketIORouter(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -117,6 +117,9 @@ MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
 MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 MILLM_STORAGE = envchoice("MILLM_STORAGE", "filesystem", ["filesystem", "s3"])
 MILLM_API_KEYS = envlist("MILLM_API_KEYS")
+# Browser origins other than the site's own that may open the WebSocket and Socket.IO
+# (e.g. "https://dashboard.example.com"); the site's own origin always may.
+MILLM_ALLOWED_ORIGINS = envlist("MILLM_ALLOWED_ORIGINS")
 MILLM_MAX_BODY_BYTES = envint("MILLM_MAX_BODY_BYTES", 33_554_432, minimum=1024)
 # A PUT /api/models/{id}/weights body (safetensors): streamed to storage, never held in web's memory.
 MILLM_MAX_WEIGHTS_BYTES = envint("MILLM_MAX_WEIGHTS_BYTES", 4 * 1024**3, minimum=1024)
@@ -163,6 +166,8 @@ BATCH_LEASE_TTL_S = envint("BATCH_LEASE_TTL_S", 900, minimum=3)
 BATCH_PROGRESS_MIN_INTERVAL_S = envfloat("BATCH_PROGRESS_MIN_INTERVAL_S", 1.0, minimum=0)
 BATCH_FILE_RETENTION_DAYS = envint("BATCH_FILE_RETENTION_DAYS", 30, minimum=1)
 BATCH_RETENTION_INTERVAL_S = envint("BATCH_RETENTION_INTERVAL_S", 3600, minimum=1)
+# Ended batches and their rows are deleted this long after they end (default: the files' retention).
+BATCH_RETENTION_DAYS = envint("BATCH_RETENTION_DAYS", BATCH_FILE_RETENTION_DAYS, minimum=1)
 BATCH_WAIT_POLL_S = envfloat("BATCH_WAIT_POLL_S", 5.0, minimum=0.05)
 # Tests only: pause between a chunk's forward pass and its record, so a test can kill the
 # engine mid-chunk.

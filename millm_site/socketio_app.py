@@ -6,28 +6,54 @@ Every web process runs this server on python-socketio's Redis manager; whoever p
 on the same Redis channel, so every connected client hears it whatever process it is on.
 """
 
+from http.cookies import CookieError, SimpleCookie
+from importlib import import_module
+
 import socketio
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.contrib.auth import get_user
+from django.http import HttpRequest
 
 from inference_app.events import socketio_channel
-from millm_lib.keys import key_is_valid, socket_key
+from millm_lib.keys import key_is_valid, origin_allowed, socket_key
 
 ALL_ROOM = "batches"
 MODELS_ROOM = "models"  # model:load:progress, model:load:complete, model:load:error, model:unload:complete
 
 
+def _origin_allowed(origin, environ):
+    """The site's own origin, or one MILLM_ALLOWED_ORIGINS names (engine.io asks before a connect)."""
+    return origin_allowed(origin, environ.get("HTTP_HOST", ""), settings.MILLM_ALLOWED_ORIGINS)
+
+
 sio = socketio.AsyncServer(
     async_mode="asgi",
     client_manager=socketio.AsyncRedisManager(settings.REDIS_URL, channel=socketio_channel()),
-    cors_allowed_origins="*",
+    cors_allowed_origins=_origin_allowed,
 )
+
+
+def staff_session(cookie_header):
+    """True when the request's session cookie is an active staff user's (the admin's own page)."""
+    try:
+        cookies = SimpleCookie()
+        cookies.load(cookie_header or "")
+    except CookieError:
+        return False
+    morsel = cookies.get(settings.SESSION_COOKIE_NAME)
+    if morsel is None:
+        return False
+    request = HttpRequest()
+    request.session = import_module(settings.SESSION_ENGINE).SessionStore(morsel.value)
+    user = get_user(request)
+    return user.is_active and user.is_staff
 
 
 @sio.event
 async def connect(sid, environ, auth):
     keys = settings.MILLM_API_KEYS
-    if keys:
+    if keys and not await sync_to_async(staff_session)(environ.get("HTTP_COOKIE", "")):
         token = socket_key(environ.get("HTTP_AUTHORIZATION", ""), environ.get("QUERY_STRING", ""), auth)
         if not token or not key_is_valid(token, keys):
             raise socketio.exceptions.ConnectionRefusedError("a bearer key from MILLM_API_KEYS is needed")

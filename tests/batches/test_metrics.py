@@ -1,37 +1,50 @@
-"""/metrics' batch series (SPEC 7): batch states and rows by outcome move with the database."""
+"""/metrics' batch series (SPEC 7): batch states, rows by endpoint and outcome, tokens, each
+running batch's rate and each engine's backlog move with the database."""
 
 import re
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from batches_app.models import Batch, BatchRow
 from inference_app import metrics
-from tests.factories import BatchFactory, BatchRowFactory, FileFactory, requests_of
+from millm_lib.limits import COMPLETIONS
+from tests.factories import BatchFactory, BatchRowFactory, EngineFactory, FileFactory, requests_of
 
 pytestmark = pytest.mark.django_db
 
 
-def series(name, label):
+def samples(name):
+    """{labels as written: value} of one series in /metrics' text."""
     text = metrics.render().decode()
-    return {match[0]: float(match[1]) for match in re.findall(rf'^{name}\{{{label}="(\w+)"\}} (\S+)$', text, re.M)}
+    return {labels: float(value) for labels, value in re.findall(rf"^{name}\{{(.*)\}} (\S+)$", text, re.M)}
 
 
-def test_batch_states_and_row_outcomes_move_as_batches_run():
-    before_batches, before_rows = series("millm_batches", "status"), series("millm_batch_rows", "outcome")
-    assert set(before_batches) == set(Batch.Status.values)
-    assert set(before_rows) == set(BatchRow.Outcome.values)
+def test_batch_series_move_as_a_batch_runs():
+    before = {name: samples(name) for name in ("millm_batches", "millm_batch_rows", "millm_batch_tokens")}
+    assert set(before["millm_batches"]) == {f'status="{status}"' for status in Batch.Status.values}
 
     batch = BatchFactory(input_file=FileFactory(lines=requests_of([{"prompt": "a"}, {"prompt": "b"}])),
-                         status=Batch.Status.IN_PROGRESS)
+                         status=Batch.Status.IN_PROGRESS, model="tiny-llama", total=2, completed=1,
+                         in_progress_at=timezone.now() - timedelta(seconds=10), input_tokens=7, output_tokens=3)
     BatchRowFactory(batch=batch, line=1, outcome=BatchRow.Outcome.SUCCEEDED)
     BatchRowFactory(batch=batch, line=2)
+    EngineFactory(model_id="tiny-llama", batch_backlog_rows=1)
 
-    batches, rows = series("millm_batches", "status"), series("millm_batch_rows", "outcome")
-    assert batches["in_progress"] == before_batches["in_progress"] + 1
-    assert rows["succeeded"] == before_rows["succeeded"] + 1
-    assert rows["pending"] == before_rows["pending"] + 1
+    batches, rows, tokens = samples("millm_batches"), samples("millm_batch_rows"), samples("millm_batch_tokens")
+    assert batches['status="in_progress"'] == before["millm_batches"]['status="in_progress"'] + 1
+    succeeded, pending = (f'endpoint="{COMPLETIONS}",outcome="{outcome}"' for outcome in ("succeeded", "pending"))
+    assert rows[succeeded] == before["millm_batch_rows"].get(succeeded, 0) + 1
+    assert rows[pending] == before["millm_batch_rows"].get(pending, 0) + 1
+    assert tokens['kind="input"'] == before["millm_batch_tokens"]['kind="input"'] + 7
+    assert tokens['kind="output"'] == before["millm_batch_tokens"]['kind="output"'] + 3
+    rate = samples("millm_batch_rows_per_second")[f'batch="{batch.pk}",model="tiny-llama"']
+    assert 0.05 < rate < 0.2  # one row in about ten seconds
+    assert 1.0 in samples("millm_batch_backlog_rows").values()
 
     Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED)  # a test's shortcut, not a runner's write
-    batches = series("millm_batches", "status")
-    assert batches["in_progress"] == before_batches["in_progress"]
-    assert batches["completed"] == before_batches["completed"] + 1
+    batches = samples("millm_batches")
+    assert batches['status="in_progress"'] == before["millm_batches"]['status="in_progress"']
+    assert batches['status="completed"'] == before["millm_batches"]['status="completed"'] + 1
+    assert not any(batch.pk in labels for labels in samples("millm_batch_rows_per_second"))

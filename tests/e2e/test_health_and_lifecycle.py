@@ -33,7 +33,8 @@ def test_metrics_are_prometheus_text_with_requests_and_engines(stack, client):
     assert 'millm_http_requests_total{method="GET",route="v1/models",status="200"}' in response.text
     assert f'millm_engine_alive{{engine="{stack.engine_id()}",model="{MODEL_ID}"}} 1.0' in response.text
     assert 'millm_batches{status="in_progress"}' in response.text  # batch states and rows, from the database
-    assert 'millm_batch_rows{outcome="succeeded"}' in response.text
+    for series in ("millm_batch_rows", "millm_batch_tokens", "millm_batch_rows_per_second", "millm_batch_backlog_rows"):
+        assert f"# TYPE {series} gauge" in response.text
 
 
 def test_a_request_whose_caller_left_is_dropped_before_it_runs(stack):

@@ -79,11 +79,21 @@ def concrete(route):
     return text.replace("^", "").replace("$", "").replace("\\", "")
 
 
+def websocket_chain(application):
+    """The WebSocket side's layers, outermost first: the Socket.IO router, channels' cookie,
+    session and auth middleware (a staff session counts as a key), then the URLRouter."""
+    layer, chain = application.application_mapping["websocket"], []
+    while layer is not None:
+        chain.append(layer)
+        layer = getattr(layer, "other", None) or getattr(layer, "inner", None)
+    return chain
+
+
 def websocket_routes():
     """Concrete paths of the WebSocket URLRouter behind the ASGI application's Socket.IO router."""
     from millm_site.asgi import application
 
-    router = application.application_mapping["websocket"].other
+    router = websocket_chain(application)[-1]
     paths = []
     for route in router.routes:
         regex = str(route.pattern.regex.pattern if hasattr(route.pattern, "regex") else route.pattern)
@@ -133,8 +143,8 @@ def test_the_asgi_application_routes_nothing_the_enumeration_does_not_see():
     chain = [type(http).__name__, type(http.other).__name__, type(http.other.app).__name__]
     assert chain == ["SocketIORouter", "BodyLimitASGI", "StaticFiles"]
     assert isinstance(http.other.app.application, ASGIHandler)
-    websocket = application.application_mapping["websocket"]
-    assert [type(websocket).__name__, type(websocket.other).__name__] == ["SocketIORouter", "URLRouter"]
+    assert [type(layer).__name__ for layer in websocket_chain(application)] == [
+        "SocketIORouter", "CookieMiddleware", "SessionMiddleware", "AuthMiddleware", "URLRouter"]
 
 
 def assert_refused(response, path):

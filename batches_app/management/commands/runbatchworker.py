@@ -1,12 +1,12 @@
 """Start the engine: the resident model, the admission slot, the interactive consumer, the
-batch runner, and the housekeeping beside them (file retention)."""
+batch runner, and the housekeeping beside them (retention of files and ended batches)."""
 
 import logging
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from files_app.retention import run_retention
+from batches_app.retention import run_retention
 from inference_app.catalogue import model_source
 
 
@@ -23,5 +23,5 @@ class Command(BaseCommand):
         logging.getLogger("millm").setLevel(logging.INFO)
         from batches_app.runner import BatchRunner
 
-        jobs = [("file retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
+        jobs = [("retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
         Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner]).run()
