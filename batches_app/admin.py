@@ -4,7 +4,6 @@ from django.core.paginator import Paginator
 from django.http import FileResponse, Http404
 from django.shortcuts import get_object_or_404, redirect
 from django.urls import path
-from django.utils import timezone
 from django.utils.html import format_html
 
 from batches_app import events
@@ -142,10 +141,8 @@ class BatchAdmin(admin.ModelAdmin):
 
 def _pace(batch):
     """'N rows/s, ETA M s' while a batch runs (since it started running), else ''."""
-    if batch.status != Batch.Status.IN_PROGRESS or batch.in_progress_at is None:
+    rate = batch.rows_per_second()
+    if rate is None:
         return ""
-    done = batch.completed + batch.failed
-    seconds = (timezone.now() - batch.in_progress_at).total_seconds()
-    rate = done / seconds if seconds > 0 else 0.0
-    eta = f"{(batch.total - done) / rate:,.0f} s" if rate > 0 else "unknown"
+    eta = f"{(batch.total - batch.completed - batch.failed) / rate:,.0f} s" if rate > 0 else "unknown"
     return f"{rate:.1f} rows/s, ETA {eta}"

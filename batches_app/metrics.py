@@ -3,7 +3,7 @@ Prometheus scrapes, so any web process answers the same figures. Registered on i
 registry by this app's config: inference_app never imports batches_app. Gauges, not counters:
 retention deletes ended batches and their rows, so these figures may go down."""
 
-from django.db.models import Count, F, Sum
+from django.db.models import Count, Sum
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
@@ -45,10 +45,10 @@ class BatchCollector:
         for kind in ("input", "output"):
             families["tokens"].add_metric([kind], tokens[kind] or 0)
         now = timezone.now()
-        running = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, in_progress_at__isnull=False)
-        for batch_id, model, done, started in running.values_list("id", "model", F("completed") + F("failed"), "in_progress_at"):
-            seconds = (now - started).total_seconds()
-            families["rate"].add_metric([batch_id, model or ""], done / seconds if seconds > 0 else 0.0)
+        running = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, in_progress_at__isnull=False).only(
+            "id", "model", "status", "completed", "failed", "in_progress_at")
+        for batch in running:
+            families["rate"].add_metric([batch.id, batch.model or ""], batch.rows_per_second(now))
         yield from families.values()
 
 

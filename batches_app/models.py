@@ -116,10 +116,11 @@ class BatchQuerySet(models.QuerySet):
         changed = []
         for batches, reason in changes:
             ids = list(batches.values_list("pk", flat=True))
-            # Claimed meanwhile (another engine's sweep or claim): the filters hold in the UPDATE.
+            # Claimed meanwhile (another engine's sweep or claim): the filters hold in the UPDATE,
+            # and only the batches now holding `reason` are announced.
             if ids and batches.filter(pk__in=ids).update(waiting_reason=reason):
-                changed += ids
-        return list(Batch.objects.filter(pk__in=changed, waiting_reason__isnull=False))
+                changed += Batch.objects.filter(pk__in=ids, waiting_reason=reason)
+        return changed
 
     def ended_before(self, moment):
         """Batches that ended (any end) before `moment`."""
@@ -279,6 +280,14 @@ class Batch(models.Model):
             self.save(force_insert=True)
             if idempotency_key:
                 IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=self.pk)
+
+    def rows_per_second(self, now=None):
+        """Rows recorded per second since the batch started running; None unless it runs.
+        (The engine's log line measures since its own claim, which a restart resets.)"""
+        if self.status != self.Status.IN_PROGRESS or self.in_progress_at is None:
+            return None
+        seconds = ((now or timezone.now()) - self.in_progress_at).total_seconds()
+        return (self.completed + self.failed) / seconds if seconds > 0 else 0.0
 
     def to_openai(self):
         def stamp(value):
