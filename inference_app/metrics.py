@@ -1,7 +1,7 @@
 """Prometheus metrics: web's own request figures, and the engines' figures read at scrape time."""
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
 registry = CollectorRegistry()
 
@@ -28,6 +28,12 @@ class EngineCollector:
         alive = GaugeMetricFamily("millm_engine_alive", "1 when the heartbeat is fresh", labels=["engine", "model"])
         backlog = GaugeMetricFamily("millm_batch_backlog_rows", "Valid batch rows not yet run for the engine's model",
                                     labels=["engine", "model"])
+        sequences = GaugeMetricFamily("millm_engine_sequences_running", "Sequences the step scheduler decodes (0 on a serial engine)",
+                                      labels=["engine", "model"])
+        waits = SummaryMetricFamily("millm_queue_wait_seconds", "Time interactive requests waited for a seat",
+                                    labels=["engine", "model"])
+        estimate = GaugeMetricFamily("millm_queue_estimated_wait_seconds",
+                                     "The engine's estimate of a new request's wait", labels=["engine", "model"])
         for engine in Engine.objects.all():
             labels = [engine.id, engine.resident_model_id or engine.model_id]
             waiting.add_metric(labels, engine.queue_waiting)
@@ -35,10 +41,11 @@ class EngineCollector:
             alive.add_metric(labels, 1 if engine.alive else 0)
             if engine.batch_backlog_rows is not None:  # unknown without a resident model: no sample, never a fake 0
                 backlog.add_metric(labels, engine.batch_backlog_rows)
-        yield waiting
-        yield in_flight
-        yield alive
-        yield backlog
+            sequences.add_metric(labels, engine.sequences_running)
+            waits.add_metric(labels, count_value=engine.queue_waits_total, sum_value=engine.queue_wait_seconds_total)
+            if engine.estimated_wait_seconds is not None:  # no estimate before the first request ends
+                estimate.add_metric(labels, engine.estimated_wait_seconds)
+        yield from (waiting, in_flight, alive, backlog, sequences, waits, estimate)
 
 
 registry.register(EngineCollector())

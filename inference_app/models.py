@@ -315,6 +315,9 @@ class Engine(models.Model):
     queue_max_concurrent = models.PositiveIntegerField(default=1)
     queue_max_pending = models.PositiveIntegerField(default=10)
     estimated_wait_seconds = models.FloatField(null=True, blank=True)
+    sequences_running = models.PositiveIntegerField(default=0, help_text="Sequences the step scheduler decodes (0 on a serial engine).")
+    queue_waits_total = models.BigIntegerField(default=0, help_text="Interactive requests granted a seat.")
+    queue_wait_seconds_total = models.FloatField(default=0.0, help_text="The seconds they waited for it, in all.")
     batch_backlog_rows = models.BigIntegerField(null=True, blank=True)
 
     objects = EngineQuerySet.as_manager()

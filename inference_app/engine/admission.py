@@ -53,6 +53,10 @@ class AdmissionSlot:
         self._interactive = deque()  # (future, shared)
         self._background = deque()
         self._hold_seconds = deque(maxlen=HOLD_SAMPLES)
+        # Interactive requests granted a seat, and the seconds they waited for it in all (for
+        # /metrics' millm_queue_wait_seconds; a swap's or weights edit's waits are not counted).
+        self.waits = 0
+        self.wait_seconds = 0.0
         # Interactive acquirers awaiting the slot, as a plain int so that the model thread may
         # read it (the batch runner ends a chunk of single rows early when it is above 0).
         self.interactive_queued = 0
@@ -103,16 +107,22 @@ class AdmissionSlot:
         """
         if interactive and limited and self.pending >= self.pending_limit:
             raise QueueFull(self.retry_after(), self.pending, self.pending_limit, self.max_pending, self.slots)
+        counted = interactive and limited
         ahead = self.waiting if interactive else self.waiting + self.background_waiting
         if not ahead and self._grantable(interactive, shared):
             self._grant(interactive, shared)
+            self.waits += counted
             return
+        queued_at = time.monotonic()
         future = asyncio.get_running_loop().create_future()
         queue = self._interactive if interactive else self._background
         queue.append((future, shared))
         self.interactive_queued += interactive
         try:
             await future
+            if counted:
+                self.waits += 1
+                self.wait_seconds += time.monotonic() - queued_at
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 # Granted in the same loop turn as the cancel: hand the seat straight on.

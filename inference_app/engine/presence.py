@@ -128,6 +128,9 @@ class Presence:
             "weights_state": Engine.Weights.TORN if runtime and worker.weights_torn else Engine.Weights.CLEAN,
             "queue_waiting": worker.slot.waiting,
             "in_flight": worker.slot.holding,
+            "sequences_running": len(worker.seating.scheduler.live),
+            "queue_waits_total": worker.slot.waits,
+            "queue_wait_seconds_total": worker.slot.wait_seconds,
             "estimated_wait_seconds": worker.slot.estimated_wait_seconds(),
         }
         if not Engine.objects.report_heartbeat(worker.engine_id, **figures):

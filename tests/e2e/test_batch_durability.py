@@ -366,19 +366,25 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "var" / "test-artifacts"
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (make test installs it)")
-def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
+def test_an_operator_watches_a_batch_move_in_the_admin_downloads_its_files_and_cancels_it(slow):
+    """With MILLM_API_KEYS set, as in production: the staff session alone carries the page's
+    live progress (its WebSocket sends no key), and the file links stream the very bytes the
+    API serves, to staff only. Screenshots of the index, the batch list and a running batch's
+    page are left in var/test-artifacts/."""
     import subprocess
     import sys
 
     from playwright.sync_api import sync_playwright
 
+    web = slow.start_web(MILLM_API_KEYS="sekrit")
+    client = make_client(web.url, api_key="sekrit")
     env = {**slow.env, "DJANGO_SUPERUSER_PASSWORD": "operator-pass-42"}
     made = subprocess.run([sys.executable, "manage.py", "createsuperuser", "--noinput", "--username", "operator",
                            "--email", "op@example.com"], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True)
     assert made.returncode == 0, f"createsuperuser failed:\n{made.stdout}\n{made.stderr}"
-    batch = start_batch(slow.client, scoring_lines(400, "admin"), COMPLETIONS)  # long enough to cancel mid-run
-    wait_for(slow.client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
+    batch = start_batch(client, scoring_lines(400, "admin"), COMPLETIONS)  # long enough to cancel mid-run
+    wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
@@ -386,11 +392,15 @@ def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
             args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"],
         )
-        page = browser.new_page()
-        page.goto(f"{slow.web.url}/admin/login/?next=/admin/batches_app/batch/")
+        page = browser.new_page(accept_downloads=True, viewport={"width": 1440, "height": 900})
+        page.goto(f"{web.url}/admin/login/?next=/admin/")
         page.fill("#id_username", "operator")
         page.fill("#id_password", "operator-pass-42")
         page.click("input[type=submit]")
+        page.wait_for_selector("#content-main")
+        page.screenshot(path=str(ARTIFACTS / "admin-index.png"), full_page=True)
+        page.goto(f"{web.url}/admin/batches_app/batch/")
+        page.screenshot(path=str(ARTIFACTS / "admin-batch-list.png"), full_page=True)
         # As an operator goes: from the list, by the admin's own link (it quotes the id: "_40" would be "@").
         page.click(f"#result_list a:text-is('{batch.id}')")
         try:
@@ -400,12 +410,28 @@ def test_an_operator_watches_a_batch_move_in_the_admin_and_cancels_it(slow):
             raise AssertionError(f"no progress bar at {page.url}: {page.title()!r}\n{page.inner_text('body')[:1500]}") from None
         start = page.eval_on_selector("#progress-bar", "bar => bar.value")
         page.screenshot(path=str(ARTIFACTS / "admin-batch-running.png"), full_page=True)
-        # No reload: the page's WebSocket moves the bar.
+        # No reload: the page's WebSocket (keys set, the staff session its only credential) moves the bar.
         page.wait_for_function(f"document.getElementById('progress-bar').value > {start}", timeout=30_000)
+
+        def downloaded(which):
+            with page.expect_download() as caught:
+                page.click(f"#download-{which}")
+            return Path(caught.value.path()).read_bytes()
+
+        assert downloaded("input") == client.files.content(batch.input_file_id).content
         page.click("#cancel-batch")
         page.wait_for_load_state()
         page.wait_for_function("document.getElementById('progress-status').textContent === 'cancelled'", timeout=60_000)
+        ended = client.batches.retrieve(batch.id)
+        page.reload()
         page.screenshot(path=str(ARTIFACTS / "admin-batch-cancelled.png"), full_page=True)
+        output = downloaded("output")
+        link = page.get_attribute("#download-output", "href")
+        assert output == client.files.content(ended.output_file_id).content and output.count(b"\n") >= 8
         browser.close()
-    assert slow.client.batches.retrieve(batch.id).status == "cancelled"
-    assert (ARTIFACTS / "admin-batch-cancelled.png").stat().st_size > 0
+    assert ended.status == "cancelled"
+    anonymous = httpx.get(web.url + link, follow_redirects=False)
+    assert anonymous.status_code == 302 and "/admin/login/" in anonymous.headers["location"]
+    for name in ("admin-index.png", "admin-batch-list.png", "admin-batch-running.png"):
+        assert (ARTIFACTS / name).stat().st_size > 10_000
+    web.stop()

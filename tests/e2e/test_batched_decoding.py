@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, crowd_of_long_chats, make_client
+from tests.e2e.metrics_helpers import scrape, value
 from tests.e2e.stack import Stack, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -61,6 +62,9 @@ def test_a_chat_sent_while_16_rows_decode_streams_before_the_batch_ends(seated):
     client = seated.client
     batch = start_batch(client, generation_rows(48, max_tokens=300), CHAT, extra_body={"batched_decoding": True})
     wait_until(lambda: in_flight(seated) >= 16, 60, "16 batch rows never decoded together", seated.engine)
+    engine = {"engine": seated.engine_id(), "model": MODEL_ID}
+    wait_until(lambda: value(scrape(seated), "millm_engine_sequences_running", **engine) >= 16, 10,
+               "/metrics never showed the 16 sequences decoding")
 
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
             "stream": True}

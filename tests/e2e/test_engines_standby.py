@@ -13,6 +13,7 @@ import time
 from collections import Counter
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.batch_helpers import read_jsonl, start_batch, wait_for
@@ -159,6 +160,35 @@ def test_engines_of_two_models_each_run_their_own_batches_side_by_side(pair):
     # Side by side: each ran while the other did (one engine runs one batch at a time).
     first, other = done[MODEL_ID], done[SECOND]
     assert first.in_progress_at <= other.finalizing_at and other.in_progress_at <= first.finalizing_at
+
+
+def test_an_outside_lease_on_one_model_refuses_only_that_models_batches(pair):
+    """Issue 16, point 2, with real engines of two models: alice's lease on the second model
+    refuses a batch for it (409 model_leased, nothing stored), while a batch for the first model
+    is accepted and completes under its own engine; released, the second model takes batches."""
+    client, web = pair.client, pair.web.url
+    wait_until(lambda: (engine_of(pair, pair.second) or {}).get("resident_model") == SECOND, 90,
+               f"no active engine for {SECOND}", pair.second)
+    taken = httpx.post(f"{web}/api/models/{SECOND}/lease", json={"holder": "alice", "reason": "probing", "ttl_seconds": 120})
+    assert taken.status_code == 201, taken.text
+    lease_id = taken.json()["data"]["id"]
+    try:
+        batches_before = pair.sql("SELECT count(*) FROM batches_app_batch")[0][0]
+        with pytest.raises(openai.ConflictError) as refused:
+            start_batch(client, scoring_lines(4, model=SECOND, prefix="leased"), COMPLETIONS)
+        assert refused.value.code == "model_leased"
+        assert "alice" in refused.value.message and SECOND in refused.value.message
+        assert pair.sql("SELECT count(*) FROM batches_app_batch")[0][0] == batches_before
+
+        accepted = start_batch(client, scoring_lines(8, model=MODEL_ID, prefix="free"), COMPLETIONS)
+        done = wait_for(client, accepted.id, timeout=120)
+        assert done.status == "completed" and done.model == MODEL_ID
+        every_line_once(client, done, 8, prefix="free")
+    finally:
+        released = httpx.request("DELETE", f"{web}/api/models/{SECOND}/lease", headers={"X-miLLM-Lease": lease_id})
+    assert released.status_code == 200, released.text
+    after = start_batch(client, scoring_lines(4, model=SECOND, prefix="after"), COMPLETIONS)
+    assert wait_for(client, after.id, timeout=120).status == "completed"
 
 
 def test_a_postgresql_restart_leaves_one_active_engine_per_model(pair):

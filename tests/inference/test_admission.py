@@ -170,3 +170,27 @@ def test_queue_full_counts_the_seats_beside_max_pending():
     full = run(scenario())
     assert (full.pending, full.limit, full.max_pending) == (3, 3, 2)
     assert "2 seats" in full.beside_seats
+
+
+def test_interactive_waits_are_counted_with_their_seconds_and_nothing_else_is():
+    """What /metrics' millm_queue_wait_seconds reads: each interactive request granted a seat
+    (at once or after waiting) and the seconds it waited; a batch's or a swap's waits are not."""
+    async def scenario():
+        slot = AdmissionSlot(1, 10)
+        await slot.acquire(interactive=True)  # at once: one wait of 0 s
+        assert (slot.waits, slot.wait_seconds) == (1, 0.0)
+        queued = asyncio.create_task(slot.acquire(interactive=True))
+        swap = asyncio.create_task(slot.acquire(interactive=True, limited=False))
+        batch = asyncio.create_task(slot.acquire(interactive=False))
+        await asyncio.sleep(0.2)
+        slot.release(True, 0.2)
+        await queued
+        slot.release(True, 0.0)
+        await swap
+        slot.release(True, 0.0)
+        await batch
+        return slot
+
+    slot = run(scenario())
+    assert slot.waits == 2
+    assert 0.2 <= slot.wait_seconds < 1.0
