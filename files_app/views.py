@@ -1,7 +1,6 @@
 """The Files API: a thin DRF viewset; behaviour lives on File."""
 
 from django.conf import settings
-from django.http import FileResponse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
@@ -15,6 +14,7 @@ from millm_lib.errors import ApiError
 from millm_lib.openapi import IDEMPOTENCY_HEADER, PATH_ID, drf_errors
 from millm_lib.limits import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
 from millm_lib.pagination import list_page, query_choice, query_int
+from millm_lib.streaming import file_response
 
 
 @extend_schema_view(
@@ -99,7 +99,7 @@ class FileViewSet(viewsets.ViewSet):
     @action(detail=True, methods=["get"])
     def content(self, request, pk=None):
         # application/jsonl whatever Accept says (the SDK sends application/binary).
-        return FileResponse(_visible(pk).open_content(), content_type="application/jsonl")
+        return file_response(_visible(pk).open_content(), content_type="application/jsonl")
 
     def perform_content_negotiation(self, request, force=False):
         # JSON whatever Accept says: the SDK asks for application/binary on content downloads.

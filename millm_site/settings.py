@@ -199,6 +199,14 @@ SPECTACULAR_SETTINGS = {
 
 # File bytes: a folder under MILLM_DATA_DIR, or an S3 bucket with django-storages' AWS_* settings.
 if MILLM_STORAGE == "s3":
+    try:
+        from boto3.s3.transfer import TransferConfig
+    except ImportError:
+        raise ImproperlyConfigured("MILLM_STORAGE=s3 needs boto3: pip install -e '.[s3]'") from None
+    # boto3 keeps up to 10 parts of 8 MB of an upload in memory and fetches a download over 10
+    # connections; two at a time keeps a 100 MB upload or download within tens of MB of web's memory.
+    _transfer = TransferConfig(max_concurrency=2)
+    _transfer.max_in_memory_upload_chunks = 2
     _storage = {
         "BACKEND": "storages.backends.s3.S3Storage",
         "OPTIONS": {
@@ -206,6 +214,10 @@ if MILLM_STORAGE == "s3":
             "endpoint_url": envstr("AWS_S3_ENDPOINT_URL"),
             "region_name": envstr("AWS_S3_REGION_NAME"),
             "location": envstr("AWS_LOCATION", "millm"),
+            # A download (GET .../content, a batch's input) spools to a temporary file past this;
+            # django-storages' default, 0, holds the whole object in memory.
+            "max_memory_size": 2_621_440,
+            "transfer_config": _transfer,
         },
     }
     if not _storage["OPTIONS"]["bucket_name"]:
