@@ -6,6 +6,7 @@ import re
 from datetime import timedelta
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.contrib.admin.utils import quote
 from django.utils import timezone
 
@@ -74,6 +75,15 @@ def test_the_catalogues_state_is_read_only(admin_client):
     assert 'name="state"' not in page and 'name="weights_state"' not in page
 
 
+def body_of(response):
+    """A streamed answer's bytes: the downloads stream as an asynchronous iterator (under ASGI a
+    synchronous one would be read whole into memory first)."""
+    async def collect():
+        return b"".join([chunk async for chunk in response.streaming_content])
+
+    return async_to_sync(collect)()
+
+
 def test_a_batchs_files_download_for_staff_only_and_rows_filter_by_outcome(admin_client, client):
     batch = BatchFactory(input_file=FileFactory(lines=[{"custom_id": "a"}]), status=Batch.Status.IN_PROGRESS)
     BatchRowFactory(batch=batch, line=1, outcome=BatchRow.Outcome.SUCCEEDED, response={"object": "text_completion"})
@@ -82,7 +92,7 @@ def test_a_batchs_files_download_for_staff_only_and_rows_filter_by_outcome(admin
     download = f"/admin/batches_app/batch/{quote(batch.pk)}/download/input/"
 
     answer = admin_client.get(download)
-    assert answer.status_code == 200 and b"".join(answer.streaming_content) == b'{"custom_id": "a"}\n'
+    assert answer.status_code == 200 and body_of(answer) == b'{"custom_id": "a"}\n'
     assert "attachment" in answer["Content-Disposition"]
     assert client.get(download).status_code == 302  # no staff session: to the login page
     assert admin_client.get(f"/admin/batches_app/batch/{quote(batch.pk)}/download/output/").status_code == 404
