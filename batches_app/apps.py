@@ -7,7 +7,7 @@ class BatchesAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from batches_app import metrics as batch_metrics
-        from inference_app import metrics
+        from batches_app.metrics import BatchCollector
+        from inference_app.metrics import register_collector
 
-        batch_metrics.register(metrics.registry)
+        register_collector(BatchCollector)

@@ -50,14 +50,3 @@ class BatchCollector:
         for batch in running:
             families["rate"].add_metric([batch.id, batch.model or ""], batch.rows_per_second(now))
         yield from families.values()
-
-
-_registered = False
-
-
-def register(registry):
-    """Once per process (app loading may run again in tests)."""
-    global _registered
-    if not _registered:
-        registry.register(BatchCollector())
-        _registered = True

@@ -25,6 +25,7 @@ from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.pagination import cursor_page
+from webhooks_app.models import Delivery
 
 
 
@@ -453,10 +454,14 @@ class Batch(models.Model):
                     file.record_stored()
             if locked.status == self.Status.CANCELLING and end == self.Status.FAILED and self.in_progress_at is None:
                 end = self.Status.CANCELLED  # cancelled while validating: the cancel wins
+            ended_at = timezone.now()
             Batch.objects.filter(pk=self.pk).update(
                 status=end, output_file=output_file, error_file=error_file, waiting_reason=None,
-                **{f"{end}_at": timezone.now()},
+                **{f"{end}_at": ended_at},
             )
+            # batch.completed, .failed, .expired or .cancelled, to each subscribed endpoint, in
+            # this transaction: a crash between the end and its delivery cannot lose the event.
+            Delivery.objects.enqueue(f"batch.{end}", {"id": self.pk}, ended_at)
             # The files are the truth now: a row keeps what the console and resume read (line,
             # custom_id, outcome, request id, packed), not the request, the answer (embedding
             # vectors), the error or the headers.

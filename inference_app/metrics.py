@@ -49,6 +49,16 @@ class EngineCollector:
 
 
 registry.register(EngineCollector())
+_collectors = set()
+
+
+def register_collector(collector_class):
+    """Another app's collector on this registry (batches_app's, webhooks_app's, from their
+    configs: inference_app never imports them), once per process: app loading may run again in
+    tests."""
+    if collector_class not in _collectors:
+        registry.register(collector_class())
+        _collectors.add(collector_class)
 
 
 def render():

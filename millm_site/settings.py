@@ -31,6 +31,7 @@ INSTALLED_APPS = [
     "inference_app",
     "files_app",
     "batches_app",
+    "webhooks_app",
 ]
 
 MIDDLEWARE = [
@@ -172,6 +173,16 @@ BATCH_WAIT_POLL_S = envfloat("BATCH_WAIT_POLL_S", 5.0, minimum=0.05)
 # Tests only: pause between a chunk's forward pass and its record, so a test can kill the
 # engine mid-chunk.
 BATCH_TEST_PAUSE_BEFORE_RECORD_S = envfloat("BATCH_TEST_PAUSE_BEFORE_RECORD_S", 0.0, minimum=0)
+
+# Webhooks (SPEC 10b): the hosts endpoints may name (empty: any), how long and how often a
+# delivery is retried, and how long one attempt may take.
+MILLM_WEBHOOK_ALLOWED_HOSTS = envlist("MILLM_WEBHOOK_ALLOWED_HOSTS")
+MILLM_WEBHOOK_RETRY_HOURS = envfloat("MILLM_WEBHOOK_RETRY_HOURS", 72.0, minimum=0.0001)
+MILLM_WEBHOOK_TIMEOUT_S = envfloat("MILLM_WEBHOOK_TIMEOUT_S", 10.0, minimum=0.1)
+MILLM_WEBHOOK_BACKOFF_S = envfloat("MILLM_WEBHOOK_BACKOFF_S", 2.0, minimum=0.01)
+MILLM_WEBHOOK_BACKOFF_MAX_S = envfloat("MILLM_WEBHOOK_BACKOFF_MAX_S", 3600.0, minimum=0.01)
+MILLM_WEBHOOK_POLL_S = envfloat("MILLM_WEBHOOK_POLL_S", 1.0, minimum=0.05)
+WEBHOOK_TEST_PAUSE_BEFORE_SEND_S = envfloat("WEBHOOK_TEST_PAUSE_BEFORE_SEND_S", 0.0, minimum=0)
 
 # Bodies other than uploads: Django refuses a larger one with RequestDataTooBig (413 here).
 DATA_UPLOAD_MAX_MEMORY_SIZE = MILLM_MAX_BODY_BYTES

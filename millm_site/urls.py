@@ -10,4 +10,5 @@ urlpatterns = [
     path("", include("inference_app.urls")),
     path("", include("files_app.urls")),
     path("", include("batches_app.urls")),
+    path("", include("webhooks_app.urls")),
 ]

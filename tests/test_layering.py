@@ -11,7 +11,7 @@ _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" 
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-APPS = ("files_app", "inference_app", "batches_app")
+APPS = ("files_app", "inference_app", "webhooks_app", "batches_app")
 
 
 def test_the_shared_package_imports_no_app_and_files_import_only_it():
@@ -85,6 +85,13 @@ def test_no_batch_state_is_written_outside_the_batch_models():
 def test_no_engine_model_or_lease_row_is_written_outside_the_inference_models():
     writes = {str(path.relative_to(ROOT)): row_writes(path, {"Engine", "ModelEntry", "Lease", "lease", "entry"})
               for package in ("inference_app", "batches_app")
+              for path in _sources(package, "models.py")}
+    assert {path: found for path, found in writes.items() if found} == {}
+
+
+def test_no_webhook_row_is_written_outside_the_webhook_models():
+    writes = {str(path.relative_to(ROOT)): row_writes(path, {"WebhookEndpoint", "Delivery", "endpoint", "delivery"})
+              for package in ("webhooks_app", "batches_app")
               for path in _sources(package, "models.py")}
     assert {path: found for path, found in writes.items() if found} == {}
 

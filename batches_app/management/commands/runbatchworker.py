@@ -1,5 +1,5 @@
 """Start the engine: the resident model, the admission slot, the interactive consumer, the
-batch runner, and the housekeeping beside them (retention of files and ended batches)."""
+batch runner, the webhook courier, and the housekeeping beside them (retention of files and ended batches)."""
 
 import logging
 
@@ -22,6 +22,7 @@ class Command(BaseCommand):
 
         logging.getLogger("millm").setLevel(logging.INFO)
         from batches_app.runner import BatchRunner
+        from webhooks_app.courier import WebhookCourier
 
         jobs = [("retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
-        Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner]).run()
+        Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner, WebhookCourier]).run()
