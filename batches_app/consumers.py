@@ -7,12 +7,13 @@ from django.conf import settings
 
 from batches_app import events
 from batches_app.models import Batch
-from millm_lib.keys import key_is_valid, origin_allowed, socket_key
+from millm_lib.keys import origin_allowed, socket_key
+from projects_app.access import project_for_key
 
 
 class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self):
-        if not self._same_origin() or not self._authorised():
+        if not self._same_origin() or not await database_sync_to_async(self._authorised)():
             await self.close(code=4401)
             return
         self.batch_id = self.scope["url_route"]["kwargs"].get("batch_id")
@@ -43,12 +44,13 @@ class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
         return origin_allowed(origin, headers.get(b"host", b"").decode("latin-1"), settings.MILLM_ALLOWED_ORIGINS)
 
     def _authorised(self):
-        keys = settings.MILLM_API_KEYS
-        if not keys:
-            return True
-        user = self.scope.get("user")  # a staff session (the admin's own page) needs no key
+        """A staff session (the admin's own page) needs no key; any other client an active key
+        (or none while no key exists). Sets `self.project`: None sees every batch."""
+        user = self.scope.get("user")
         if user is not None and user.is_active and user.is_staff:
+            self.project = None
             return True
         headers = dict(self.scope.get("headers") or [])
         token = socket_key(headers.get(b"authorization", b""), self.scope.get("query_string", b""))
-        return bool(token) and key_is_valid(token, keys)
+        self.project = project_for_key(token)
+        return self.project is not None

@@ -24,6 +24,7 @@ from files_app.models import File, IdempotencyKey
 from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
+from projects_app.models import OwnedQuerySet
 from millm_lib.pagination import cursor_page
 from webhooks_app.models import Delivery
 
@@ -33,7 +34,7 @@ class FencedOut(Exception):
     """Another engine claimed the batch since we did: stop touching it."""
 
 
-class BatchQuerySet(models.QuerySet):
+class BatchQuerySet(OwnedQuerySet):
     def unfinished(self):
         return self.filter(status__in=Batch.UNFINISHED)
 
@@ -200,6 +201,8 @@ class Batch(models.Model):
     claim_token = models.UUIDField(null=True, blank=True)
     # The end a cancel, an expiry or a failure asked for; finalization stamps it.
     end_status = models.CharField(max_length=16, null=True, blank=True)
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="+", help_text="The project that made it (SPEC 10d).")
 
     objects = BatchQuerySet.as_manager()
 

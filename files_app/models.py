@@ -12,6 +12,7 @@ from django.utils import timezone
 from files_app.shapes import FileObject
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
+from projects_app.models import OwnedQuerySet
 from millm_lib.pagination import cursor_page
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def disk_full(error):
     )
 
 
-class FileQuerySet(models.QuerySet):
+class FileQuerySet(OwnedQuerySet):
     def visible(self):
         """Every file but deleted ones: those are 404 everywhere and never listed."""
         return self.exclude(status=File.Status.DELETED)
@@ -74,6 +75,8 @@ class File(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     expired_at = models.DateTimeField(null=True, blank=True)
     deleted_at = models.DateTimeField(null=True, blank=True)
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="+", help_text="The project that made it (SPEC 10d).")
 
     objects = FileQuerySet.as_manager()
 

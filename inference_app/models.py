@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
+from projects_app.models import OwnedQuerySet
 from inference_app.shapes import (
     CatalogueEntry,
     EngineHealth,
@@ -349,7 +350,7 @@ def hash_lease_id(lease_id):
     return hashlib.sha256(lease_id.encode()).hexdigest()
 
 
-class LeaseQuerySet(models.QuerySet):
+class LeaseQuerySet(OwnedQuerySet):
     def live(self):
         return self.filter(ended_at__isnull=True, expires_at__gt=timezone.now())
 
@@ -395,6 +396,8 @@ class Lease(models.Model):
     expires_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True)
     end_reason = models.CharField(max_length=64, blank=True, default="")
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="+", help_text="The project that made it (SPEC 10d).")
 
     objects = LeaseQuerySet.as_manager()
 
@@ -473,7 +476,7 @@ class Lease(models.Model):
         )
 
 
-class ProbeQuerySet(models.QuerySet):
+class ProbeQuerySet(OwnedQuerySet):
     def import_probe(self, probe):
         """A new probe from a probe import (`schemas.ProbeImport`), under a new id."""
         return self.create(
@@ -525,6 +528,8 @@ class Probe(models.Model):
     aggregation = models.CharField(max_length=8, choices=Aggregation.choices)
     threshold = models.FloatField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="+", help_text="The project that made it (SPEC 10d).")
 
     objects = ProbeQuerySet.as_manager()
 

@@ -37,7 +37,10 @@ class ApiError(Exception):
         self.details = details
 
     def body(self):
-        return OpenAIError(error=OpenAIErrorBody(message=self.message, type=self.type, param=self.param, code=self.code))
+        error = OpenAIErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
+        if self.details:  # what a refusal measured (a quota's name, limit and use), beside OpenAI's four
+            error["details"] = self.details
+        return OpenAIError(error=error)
 
     def management_body(self):
         return ManagementError(

@@ -23,8 +23,9 @@ from millm_lib.errors import (
     request_too_large,
 )
 from millm_lib.ids import new_id
-from millm_lib.keys import bearer_token, key_is_valid
+from millm_lib.keys import bearer_token
 from files_app.uploads import file_limit
+from projects_app.access import project_for_key
 
 log = logging.getLogger("millm.web")
 
@@ -221,25 +222,33 @@ def _reason(response):
 
 
 class ApiKeyMiddleware(Middleware):
-    """With MILLM_API_KEYS set, every route but health and the admin needs a bearer key."""
+    """Who the caller is (SPEC 10d): `request.project`, from its bearer key. Once keys exist
+    (MILLM_API_KEYS, or keys made by `createapikey` or the admin) every route but health and the
+    admin needs an active one; until then every caller is the default project. The key is looked
+    up on every request, so a revoked key is refused from the next one."""
 
     def before(self, request):
-        keys = settings.MILLM_API_KEYS
-        if not keys or not needs_key(request.path):
+        if not needs_key(request.path):
+            request.project = None
             return None
         token = bearer_token(request.headers.get("Authorization", ""))
-        if token and key_is_valid(token, keys):
+        request.project = project_for_key(token)
+        if request.project is not None:
             return None
-        reason = "wrong" if token else "missing"
+        reason = "wrong or revoked" if token else "missing"
         return render_error(
             request.path,
-            ApiError(
-                401,
-                "invalid_api_key",
-                f"The bearer key is {reason}: send Authorization: Bearer <key> with a key from MILLM_API_KEYS",
-            ),
+            ApiError(401, "invalid_api_key",
+                     f"The bearer key is {reason}: send Authorization: Bearer <key> with an active API key"),
             request.request_id,
         )
+
+    async def _acall(self, request):
+        # The key is looked up in the database: off the event loop.
+        early = await sync_to_async(self.before)(request)
+        if early is not None:
+            return self.after(request, early)
+        return self.after(request, await self.get_response(request))
 
 
 class UrlGuardMiddleware(Middleware):

@@ -28,6 +28,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "channels",
+    "projects_app",
     "inference_app",
     "files_app",
     "batches_app",
@@ -121,6 +122,10 @@ MILLM_API_KEYS = envlist("MILLM_API_KEYS")
 # Browser origins other than the site's own that may open the WebSocket and Socket.IO
 # (e.g. "https://dashboard.example.com"); the site's own origin always may.
 MILLM_ALLOWED_ORIGINS = envlist("MILLM_ALLOWED_ORIGINS")
+# Each project's quotas unless the admin sets its own (SPEC 10d); unset: no limit.
+MILLM_QUOTA_ACTIVE_BATCHES = envint("MILLM_QUOTA_ACTIVE_BATCHES", None, minimum=0)
+MILLM_QUOTA_QUEUED_ROWS = envint("MILLM_QUOTA_QUEUED_ROWS", None, minimum=0)
+MILLM_QUOTA_FILE_BYTES = envint("MILLM_QUOTA_FILE_BYTES", None, minimum=0)
 MILLM_MAX_BODY_BYTES = envint("MILLM_MAX_BODY_BYTES", 33_554_432, minimum=1024)
 # A PUT /api/models/{id}/weights body (safetensors): streamed to storage, never held in web's memory.
 MILLM_MAX_WEIGHTS_BYTES = envint("MILLM_MAX_WEIGHTS_BYTES", 4 * 1024**3, minimum=1024)

@@ -16,7 +16,8 @@ from django.contrib.auth import get_user
 from django.http import HttpRequest
 
 from inference_app.events import socketio_channel
-from millm_lib.keys import key_is_valid, origin_allowed, socket_key
+from millm_lib.keys import origin_allowed, socket_key
+from projects_app.access import project_for_key
 
 ALL_ROOM = "batches"
 MODELS_ROOM = "models"  # model:load:progress, model:load:complete, model:load:error, model:unload:complete
@@ -52,11 +53,10 @@ def staff_session(cookie_header):
 
 @sio.event
 async def connect(sid, environ, auth):
-    keys = settings.MILLM_API_KEYS
-    if keys and not await sync_to_async(staff_session)(environ.get("HTTP_COOKIE", "")):
+    if not await sync_to_async(staff_session)(environ.get("HTTP_COOKIE", "")):
         token = socket_key(environ.get("HTTP_AUTHORIZATION", ""), environ.get("QUERY_STRING", ""), auth)
-        if not token or not key_is_valid(token, keys):
-            raise socketio.exceptions.ConnectionRefusedError("a bearer key from MILLM_API_KEYS is needed")
+        if await sync_to_async(project_for_key)(token) is None:
+            raise socketio.exceptions.ConnectionRefusedError("an active API key is needed")
     await sio.enter_room(sid, ALL_ROOM)
     await sio.enter_room(sid, MODELS_ROOM)
 

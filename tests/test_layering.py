@@ -11,13 +11,14 @@ _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" 
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-APPS = ("files_app", "inference_app", "webhooks_app", "batches_app")
+APPS = ("projects_app", "files_app", "inference_app", "webhooks_app", "batches_app")
 
 
-def test_the_shared_package_imports_no_app_and_files_import_only_it():
+def test_the_shared_package_imports_no_app_and_files_import_only_it_and_projects():
     edges = import_graph.graph()
     assert edges["millm_lib"] == set()
-    assert edges["files_app"] == {"millm_lib"}
+    assert edges["projects_app"] == {"millm_lib"}
+    assert edges["files_app"] == {"millm_lib", "projects_app"}
 
 
 def test_no_app_imports_the_site():

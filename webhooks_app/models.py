@@ -20,6 +20,7 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from millm_lib.ids import new_id
+from projects_app.models import OwnedQuerySet
 from millm_lib.pagination import cursor_page
 
 BATCH_EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
@@ -35,7 +36,7 @@ def stamp(moment):
     return int(moment.timestamp()) if moment else None
 
 
-class EndpointQuerySet(models.QuerySet):
+class EndpointQuerySet(OwnedQuerySet):
     def subscribed_to(self, event_type):
         return self.filter(event_types__contains=[event_type])
 
@@ -54,6 +55,8 @@ class WebhookEndpoint(models.Model):
     previous_secret_until = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.PROTECT,
+                                related_name="+", help_text="The project that made it (SPEC 10d).")
 
     objects = EndpointQuerySet.as_manager()
 
