@@ -27,13 +27,15 @@ class _Spool:
         self.handle.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
         self.lines += 1
 
-    def store(self, expires_after_seconds):
-        """The bytes saved; the unsaved File that will own them (saved with the batch's end)."""
+    def store(self, expires_after_seconds, project):
+        """The bytes saved; the unsaved File that will own them, `project`'s (saved with the
+        batch's end)."""
         self.handle.flush()
         self.handle.seek(0)
         upload = DjangoFile(self.handle, name=self.name)
         upload.line_count = self.lines
-        return File.store_bytes(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name)
+        return File.store_bytes(upload, File.Purpose.BATCH_OUTPUT, expires_after_seconds, filename=self.name,
+                                project=project)
 
     def discard(self):
         try:
@@ -80,9 +82,10 @@ def assemble(batch):
             is_output, line = row.output_line(batch.unrun_code or "batch_failed")
             (output if is_output else errors).write(line)
         expires = batch.output_expires_after or settings.BATCH_FILE_RETENTION_DAYS * 86_400
-        output_file = output.store(expires) if reached_progress else None
+        # The batch's files are its project's (they count against its file_bytes quota).
+        output_file = output.store(expires, batch.project) if reached_progress else None
         stored.append(output_file)
-        error_file = errors.store(expires) if errors.lines else None
+        error_file = errors.store(expires, batch.project) if errors.lines else None
         stored.append(error_file)
     except BaseException:
         _remove_bytes(stored)  # the output's bytes, when the error file's could not be saved

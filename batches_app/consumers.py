@@ -1,5 +1,7 @@
-"""WebSocket at /ws/batches/ (every batch) and /ws/batches/<id>/ (one): the current state on
-connect, then each `batch:progress` event, as JSON {event, data}."""
+"""WebSocket at /ws/batches/ (every batch of the caller's project; an admin project's or a staff
+session's: every batch) and /ws/batches/<id>/ (one): the current state on connect, then each
+`batch:progress` event, as JSON {event, data}. Another project's batch is treated as an unknown
+id: the socket opens and hears nothing (SPEC 10d)."""
 
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
@@ -17,26 +19,36 @@ class BatchProgressConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=4401)
             return
         self.batch_id = self.scope["url_route"]["kwargs"].get("batch_id")
-        self.group = events.batch_group(self.batch_id) if self.batch_id else events.ALL_BATCHES
-        await self.channel_layer.group_add(self.group, self.channel_name)
+        if self.batch_id:
+            # Unknown, or another project's: no group, no snapshot, exactly alike.
+            self.joined = [events.batch_group(self.batch_id)] if await self._owns_batch() else []
+        else:
+            self.joined = events.groups_for(self.project)
+        for group in self.joined:
+            await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         # Joined first, then the snapshot: an event sent in between arrives after it, never lost.
         for state in await self._snapshot():
             await self.send_json({"event": events.EVENT, "data": state})
 
     async def disconnect(self, code):
-        if getattr(self, "group", None):
-            await self.channel_layer.group_discard(self.group, self.channel_name)
+        for group in getattr(self, "joined", ()):
+            await self.channel_layer.group_discard(group, self.channel_name)
 
     async def relay_event(self, message):
         await self.send_json({"event": message["event"], "data": message["data"]})
 
     @database_sync_to_async
+    def _owns_batch(self):
+        return Batch.objects.owned_by(self.project).filter(pk=self.batch_id).exists()
+
+    @database_sync_to_async
     def _snapshot(self):
+        owned = Batch.objects.owned_by(self.project)
         if self.batch_id:
-            batch = Batch.objects.filter(pk=self.batch_id).first()
+            batch = owned.filter(pk=self.batch_id).first() if self.joined else None
             return [events.progress(batch)] if batch else []
-        return [events.progress(batch) for batch in Batch.objects.unfinished().order_by("created_at")[:100]]
+        return [events.progress(batch) for batch in owned.unfinished().order_by("created_at")[:100]]
 
     def _same_origin(self):
         headers = dict(self.scope.get("headers") or [])

@@ -23,16 +23,17 @@ def refuse(message, param, code="invalid_batch_request", status=400):
     return ApiError(status, code, message, param=param)
 
 
-def create_batch(body, lease_header=None, idempotency_key=None):
+def create_batch(body, lease_header=None, idempotency_key=None, project=None):
+    """The new batch of `project` (None: of no project, and under no quota)."""
     if not isinstance(body, dict):
         raise refuse("The body must be a JSON object", None)
-    existing = IdempotencyKey.lookup("batch", idempotency_key)
+    existing = IdempotencyKey.lookup("batch", idempotency_key, project)
     if existing is not None:
         return Batch.objects.get(pk=existing)
     unknown = [key for key in body if key not in KNOWN]
     if unknown:
         raise refuse(f"Unknown field '{unknown[0]}'; a batch takes {', '.join(sorted(KNOWN))}", unknown[0])
-    input_file = _input_file(body.get("input_file_id"))
+    input_file = _input_file(body.get("input_file_id"), project)
     endpoint = body.get("endpoint")
     if endpoint not in BATCH_ENDPOINTS:
         raise refuse(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}", "endpoint")
@@ -54,30 +55,31 @@ def create_batch(body, lease_header=None, idempotency_key=None):
         batched_decoding = settings.BATCH_DECODING_DEFAULT
     if not isinstance(batched_decoding, bool):
         raise refuse(f"batched_decoding must be true or false, got {batched_decoding!r}", "batched_decoding")
-    lease = leasing.lease_for_new_batch(lease_header, input_file, endpoint)
+    lease = leasing.lease_for_new_batch(lease_header, input_file, endpoint, project)
     now = timezone.now()
     batch = Batch(
         id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],
         created_at=now, expires_at=now + timedelta(hours=window_hours), metadata=metadata,
         output_expires_after=output_expiry, pack=pack, pack_window=pack_window,
         batched_decoding=batched_decoding,
-        lease=lease, lease_mode=leasing.CALLER if lease else None,
+        lease=lease, lease_mode=leasing.CALLER if lease else None, project=project,
     )
     try:
-        batch.insert(idempotency_key, recheck_input=_input_file)
+        batch.insert(idempotency_key, recheck_input=lambda file_id: _input_file(file_id, project))
     except IntegrityError:
-        existing = IdempotencyKey.lookup("batch", idempotency_key)
+        existing = IdempotencyKey.lookup("batch", idempotency_key, project)
         if existing is None:
             raise
         return Batch.objects.get(pk=existing)
     return batch
 
 
-def _input_file(file_id):
+def _input_file(file_id, project):
     if not isinstance(file_id, str) or not file_id:
         got = "" if file_id is None else f", got {json.dumps(file_id)[:80]}"
         raise refuse(f"input_file_id is required: the id of a file uploaded with purpose batch{got}", "input_file_id")
-    file = File.objects.filter(pk=file_id).first()
+    # A batch uses only its own project's files: another's answers exactly as an unknown id.
+    file = File.objects.owned_by(project).filter(pk=file_id).first()
     if file is None:
         raise refuse(f"No file has the id '{file_id}'", "input_file_id", "file_not_found", 404)
     if file.status == File.Status.DELETED:

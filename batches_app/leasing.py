@@ -30,14 +30,15 @@ def is_batch_lease(lease):
     return lease.holder.startswith(HOLDER_PREFIX)
 
 
-def lease_for_new_batch(header, input_file, endpoint):
-    """A presented lease: unknown 404, ended 409. Not presented: an outside holder's live lease
+def lease_for_new_batch(header, input_file, endpoint, project=None):
+    """A presented lease, one of the caller's `project`: unknown (or another project's) 404,
+    ended 409. Not presented: an outside holder's live lease
     on the batch's model blocks the create (409); the server's own batch leases never do, nor a
     lease on another model (two engines, two models: a lease on one never refuses the other's
     batches). The batch's model is the one its input file's first lines name; where they name
     none (a probe-score batch scores on whatever is resident), any outside lease blocks, and
     validation decides again with every line."""
-    presented = presented_lease(header)
+    presented = presented_lease(header, project)
     if presented is not None:
         if not presented.live:
             raise lease_expired(presented)
@@ -69,11 +70,12 @@ def named_model(input_file, lines=100):
     return None
 
 
-def lease_to_hand_over(batch, header):
-    """POST .../lease: the caller's live lease, on the batch's model, or the refusal."""
+def lease_to_hand_over(batch, header, project):
+    """POST .../lease: the caller's live lease (one of its `project`'s), on the batch's model, or
+    the refusal."""
     if not header:
         raise ApiError(400, "invalid_lease_request", f"Send the lease to hand over in {LEASE_HEADER}", param=LEASE_HEADER)
-    lease = presented_lease(header)
+    lease = presented_lease(header, project)
     if not lease.live:
         raise lease_expired(lease)
     if batch.model and lease.model_id != batch.model:
@@ -112,7 +114,7 @@ def hold(batch, engine_id, ttl_seconds):
     if live is not None:
         return False
     engine = Engine.objects.get(pk=engine_id)
-    held, lease_id = Lease.acquire(engine, batch.model, batch.holder, f"batch {batch.pk}", ttl_seconds)
+    held, lease_id = Lease.acquire(engine, batch.model, batch.holder, f"batch {batch.pk}", ttl_seconds, project=batch.project)
     if lease_id is None:
         return False
     batch.take_own_lease(held)

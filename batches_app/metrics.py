@@ -8,6 +8,7 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
 from batches_app.models import Batch, BatchRow
+from batches_app.usage import usage_by_project
 
 
 def _families():
@@ -24,6 +25,10 @@ def _families():
         "rate": GaugeMetricFamily(
             "millm_batch_rows_per_second", "Rows recorded per second since each running batch started running",
             labels=["batch", "model"],
+        ),
+        "usage": GaugeMetricFamily(
+            "millm_project_usage", "Each project's use of its quotas: active batches, rows queued in them, stored file bytes",
+            labels=["project", "quota"],
         ),
     }
 
@@ -49,4 +54,7 @@ class BatchCollector:
             "id", "model", "status", "completed", "failed", "in_progress_at")
         for batch in running:
             families["rate"].add_metric([batch.id, batch.model or ""], batch.rows_per_second(now))
+        for project, figures in usage_by_project().items():
+            for quota, value in figures.items():
+                families["usage"].add_metric([project, quota], value)
         yield from families.values()

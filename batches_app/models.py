@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 
 from django.db import connection, models, transaction
-from django.db.models import Case, F, Q, When
+from django.db.models import Case, F, Q, Sum, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -24,10 +24,18 @@ from files_app.models import File, IdempotencyKey
 from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from projects_app.models import OwnedQuerySet
+from projects_app.models import OwnedQuerySet, Project, quota_exceeded
 from millm_lib.pagination import cursor_page
 from webhooks_app.models import Delivery
 
+
+
+# A batch's rows still to run: total less completed and failed. Its total is known once it is
+# validated; until then its input file's lines stand for it.
+QUEUED_ROWS = Case(
+    When(status="validating", total=0, then=F("input_file__line_count")),
+    default=F("total") - F("completed") - F("failed"),
+)
 
 
 class FencedOut(Exception):
@@ -37,6 +45,11 @@ class FencedOut(Exception):
 class BatchQuerySet(OwnedQuerySet):
     def unfinished(self):
         return self.filter(status__in=Batch.UNFINISHED)
+
+    def queued_rows(self):
+        """The rows these batches still have to run (the queued_rows quota counts its project's
+        unfinished batches: a batch that ends frees its rows at once)."""
+        return self.aggregate(rows=Sum(QUEUED_ROWS))["rows"] or 0
 
     def page(self, after=None, limit=20):
         return cursor_page(self, after, limit)
@@ -255,9 +268,11 @@ class Batch(models.Model):
             param="batch_id",
         )
 
-    def hand_lease(self, header):
-        """POST .../lease: run under the caller's live lease from now on; our own is released."""
-        lease = leasing.lease_to_hand_over(self, header)
+    def hand_lease(self, header, project=None):
+        """POST .../lease: run under the caller's live lease from now on; our own is released.
+        The lease must be the caller's `project`'s (by default the batch's own project's):
+        another project's is unknown."""
+        lease = leasing.lease_to_hand_over(self, header, project or self.project or Project.objects.default())
         updated = Batch.objects.filter(pk=self.pk, status__in=self.UNFINISHED).update(lease=lease, lease_mode=leasing.CALLER)
         if updated != 1:
             self.refresh_from_db()
@@ -274,16 +289,32 @@ class Batch(models.Model):
     def insert(self, idempotency_key=None, recheck_input=None):
         """POST /v1/batches: the new batch and its Idempotency-Key, in one transaction.
 
-        The input file's row is locked, then `recheck_input(file id)` runs: a DELETE of that
-        file locks it too, so it cannot slip in between the check and our commit.
+        1. The project's row is locked and its quotas checked: a racing create of the same
+           project waits here, then counts this batch.
+        2. The input file's row is locked, then `recheck_input(file id)` runs: a DELETE of that
+           file locks it too, so it cannot slip in between the check and our commit.
         """
         with transaction.atomic():
+            if self.project is not None:
+                self.refuse_over_quotas(self.project.lock_for_quotas())
             File.objects.select_for_update().filter(pk=self.input_file_id).first()
             if recheck_input is not None:
                 recheck_input(self.input_file_id)
             self.save(force_insert=True)
             if idempotency_key:
-                IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=self.pk)
+                IdempotencyKey.objects.create(scope="batch", key=idempotency_key, object_id=self.pk, project=self.project)
+
+    def refuse_over_quotas(self, project):
+        """429 quota_exceeded when this new batch would pass `project`'s active_batches (it adds
+        one) or queued_rows (it adds its input file's lines)."""
+        mine = Batch.objects.filter(project=project).unfinished()
+        for quota, current, adding in (("active_batches", mine.count, 1),
+                                       ("queued_rows", mine.queued_rows, self.input_file.line_count)):
+            if project.limit(quota) is None:
+                continue
+            refusal = quota_exceeded(project, quota, current(), adding)
+            if refusal is not None:
+                raise refusal
 
     def rows_per_second(self, now=None):
         """Rows recorded per second since the batch started running; None unless it runs.
@@ -464,7 +495,7 @@ class Batch(models.Model):
             )
             # batch.completed, .failed, .expired or .cancelled, to each subscribed endpoint, in
             # this transaction: a crash between the end and its delivery cannot lose the event.
-            Delivery.objects.enqueue(f"batch.{end}", {"id": self.pk}, ended_at)
+            Delivery.objects.enqueue(f"batch.{end}", {"id": self.pk}, ended_at, project=self.project)
             # The files are the truth now: a row keeps what the console and resume read (line,
             # custom_id, outcome, request id, packed), not the request, the answer (embedding
             # vectors), the error or the headers.

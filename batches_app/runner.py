@@ -30,6 +30,7 @@ from millm_lib.ids import new_id
 from inference_app.models import Engine
 from inference_app.schemas import parse_request
 from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCORE
+from projects_app.models import Project
 
 log = logging.getLogger("millm.batches")
 
@@ -287,7 +288,7 @@ class BatchRunner:
         seating = self.worker.seating
         probes = None
         if batch.endpoint == PROBE_SCORE:
-            probes = await sync_to_async(self._probes_of)(rows)
+            probes = await sync_to_async(self._probes_of)(batch, rows)
         results = await seating.exclusive(
             batch.model, execute_rows, batch.endpoint, rows, probes, batch.pack, seating.give_way
         )
@@ -355,15 +356,18 @@ class BatchRunner:
         if tasks:
             await asyncio.wait(tasks)
 
-    def _probes_of(self, rows):
-        """Each probe-score row's probes (read outside the model thread), or its ApiError."""
+    def _probes_of(self, batch, rows):
+        """Each probe-score row's probes (read outside the model thread), or its ApiError. A
+        batch scores with its own project's probes only; one without a project is the default
+        project's (as `owned_by` has it)."""
+        project = batch.project or Project.objects.default()
         specs = {}
         for pending in rows:
             if pending.refused:
                 specs[pending.row.pk] = pending.parsed
                 continue
             try:
-                specs[pending.row.pk] = self.worker.probes_for(pending.parsed.request)
+                specs[pending.row.pk] = self.worker.probes_for(pending.parsed.request, project)
             except ApiError as error:
                 specs[pending.row.pk] = error
         return specs

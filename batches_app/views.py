@@ -45,26 +45,27 @@ LEASE_PARAMETER = OpenApiParameter(
 class BatchViewSet(viewsets.ViewSet):
     def list(self, request):
         limit = query_int(request, "limit", 20, 1, 100)
-        items, has_more = Batch.objects.page(request.query_params.get("after"), limit)
+        items, has_more = Batch.objects.owned_by(request.project).page(request.query_params.get("after"), limit)
         return Response(list_page(BatchList, [batch.to_openai() for batch in items], has_more))
 
     def retrieve(self, request, pk=None):
-        return Response(_batch(pk).to_openai())
+        return Response(_batch(pk, request.project).to_openai())
 
     def create(self, request):
-        batch = create_batch(request.data, request.headers.get(LEASE_HEADER), request.headers.get("Idempotency-Key"))
+        batch = create_batch(request.data, request.headers.get(LEASE_HEADER), request.headers.get("Idempotency-Key"),
+                             request.project)
         events.publish_and_wake(batch)
         return Response(batch.to_openai())
 
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
-        batch = _batch(pk).request_cancel()
+        batch = _batch(pk, request.project).request_cancel()
         events.publish_and_wake(batch)
         return Response(batch.to_openai())
 
     @action(detail=True, methods=["post"])
     def lease(self, request, pk=None):
-        batch = _batch(pk).hand_lease(request.headers.get(LEASE_HEADER))
+        batch = _batch(pk, request.project).hand_lease(request.headers.get(LEASE_HEADER), request.project)
         wake_engines()
         return Response(batch.to_openai())
 
@@ -72,8 +73,9 @@ class BatchViewSet(viewsets.ViewSet):
         return super().perform_content_negotiation(request, force=True)
 
 
-def _batch(batch_id):
-    batch = Batch.objects.filter(pk=batch_id).first()
+def _batch(batch_id, project):
+    # Another project's batch answers exactly as an unknown id: nothing tells it exists.
+    batch = Batch.objects.owned_by(project).filter(pk=batch_id).first()
     if batch is None:
         raise ApiError(404, "batch_not_found", f"No batch has the id '{batch_id}'", param="batch_id")
     return batch

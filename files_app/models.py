@@ -7,12 +7,13 @@ from datetime import timedelta
 from django.core.exceptions import SuspiciousOperation
 from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from files_app.shapes import FileObject
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from projects_app.models import OwnedQuerySet
+from projects_app.models import OwnedQuerySet, quota_exceeded
 from millm_lib.pagination import cursor_page
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,22 @@ class FileQuerySet(OwnedQuerySet):
     def page(self, after=None, limit=20, order="desc"):
         return cursor_page(self, after, limit, order)
 
+    def stored(self):
+        """Files whose bytes count against their project's file_bytes quota: processed and not
+        past expires_at (an expired file frees its share at once, before the pruner removes it)."""
+        unexpired = Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())
+        return self.filter(unexpired, status=File.Status.PROCESSED)
+
+    def stored_bytes(self):
+        return self.stored().aggregate(total=Sum("bytes"))["total"] or 0
+
+
+def over_file_quota(project, adding):
+    """429 quota_exceeded when `adding` more bytes would pass `project`'s file_bytes quota, else None."""
+    if project is None or project.limit("file_bytes") is None:
+        return None
+    return quota_exceeded(project, "file_bytes", File.objects.filter(project=project).stored_bytes(), adding)
+
 
 class File(models.Model):
     class Purpose(models.TextChoices):
@@ -88,32 +105,46 @@ class File(models.Model):
         return f"{self.id} ({self.filename})"
 
     @classmethod
-    def record(cls, upload, purpose, expires_after_seconds, idempotency_key=None, filename=None):
-        """Store a completed upload's bytes under their final name, then record it.
+    def record(cls, upload, purpose, expires_after_seconds, idempotency_key=None, filename=None, project=None):
+        """Store a completed upload's bytes under their final name, then record it for `project`.
 
-        The bytes are saved first (a crash after that leaves an orphan the sweep removes,
-        never a record without bytes); the record and its idempotency key are one
-        transaction. Returns (file, created).
+        1. Over the project's file_bytes quota by the measured size: refused, nothing stored.
+        2. The bytes are saved (a crash after that leaves an orphan the sweep removes, never a
+           record without bytes).
+        3. In one transaction: the project locked and its quota counted again (a racing upload
+           of the same project has committed or waits), the record and its idempotency key.
+           Over the quota now, the bytes are deleted and no record is written.
+        Returns (file, created).
         """
-        file = cls.store_bytes(upload, purpose, expires_after_seconds, filename)
+        refusal = over_file_quota(project, upload.size)
+        if refusal is not None:
+            raise refusal
+        file = cls.store_bytes(upload, purpose, expires_after_seconds, filename, project)
         try:
             with transaction.atomic():
+                if project is not None:
+                    refusal = over_file_quota(project.lock_for_quotas(), file.bytes)
+                    if refusal is not None:
+                        raise refusal
                 file.save(force_insert=True)
                 if idempotency_key:
-                    IdempotencyKey.objects.create(scope="file", key=idempotency_key, object_id=file.id)
+                    IdempotencyKey.objects.create(scope="file", key=idempotency_key, object_id=file.id, project=project)
         except IntegrityError:
             # Another upload with the same Idempotency-Key won the race: answer its file.
             file_storage().delete(file.storage_name)
-            existing = IdempotencyKey.lookup("file", idempotency_key)
+            existing = IdempotencyKey.lookup("file", idempotency_key, project)
             if existing is None:
                 raise
             return cls.objects.get(pk=existing), False
+        except ApiError:
+            file_storage().delete(file.storage_name)
+            raise
         return file, True
 
     @classmethod
-    def store_bytes(cls, upload, purpose, expires_after_seconds, filename=None):
+    def store_bytes(cls, upload, purpose, expires_after_seconds, filename=None, project=None):
         """Step one of recording: the bytes saved under their final name, and the unsaved
-        record that will own them (the caller saves it in its own transaction)."""
+        record that will own them, `project`'s (the caller saves it in its own transaction)."""
         file_id = new_id("file-")
         name = f"files/{file_id}.jsonl"
         try:
@@ -136,6 +167,7 @@ class File(models.Model):
             storage_name=stored,
             created_at=now,
             expires_at=now + timedelta(seconds=expires_after_seconds),
+            project=project,
         )
 
     def record_stored(self):
@@ -226,24 +258,34 @@ class File(models.Model):
 
 class IdempotencyKey(models.Model):
     """`Idempotency-Key` on POST /v1/files and /v1/batches: the same key answers the first
-    object again for 24 hours."""
+    object again for 24 hours. Keys are per project: another project's use of the same key
+    neither answers its object nor refuses ours."""
 
     scope = models.CharField(max_length=16)
     key = models.CharField(max_length=255)
     object_id = models.CharField(max_length=40)
     created_at = models.DateTimeField(default=timezone.now)
+    project = models.ForeignKey("projects_app.Project", null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="+")
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["scope", "key"], name="one_object_per_idempotency_key")]
+        constraints = [
+            # Two partial constraints, not one with NULLS NOT DISTINCT (PostgreSQL 15 and later only).
+            models.UniqueConstraint(fields=["scope", "project", "key"], condition=Q(project__isnull=False),
+                                    name="one_object_per_project_idempotency_key"),
+            models.UniqueConstraint(fields=["scope", "key"], condition=Q(project__isnull=True),
+                                    name="one_object_per_idempotency_key"),
+        ]
 
     @classmethod
-    def lookup(cls, scope, key):
+    def lookup(cls, scope, key, project=None):
         if not key:
             return None
         limit = cls._meta.get_field("key").max_length
         if len(key) > limit:
             raise ApiError(400, "invalid_parameter", f"Invalid value for 'Idempotency-Key': at most {limit} characters, "
                            f"got {len(key):,}", param="Idempotency-Key")
-        cls.objects.filter(scope=scope, key=key, created_at__lt=timezone.now() - IDEMPOTENCY_WINDOW).delete()
-        found = cls.objects.filter(scope=scope, key=key).first()
+        mine = cls.objects.filter(scope=scope, key=key, project=project)
+        mine.filter(created_at__lt=timezone.now() - IDEMPOTENCY_WINDOW).delete()
+        found = mine.first()
         return found.object_id if found else None

@@ -14,6 +14,20 @@ from files_app.models import disk_full
 from millm_lib.errors import ApiError
 
 FILE_FIELD = "file"
+# Room for the multipart framing around the file: the boundaries, the parts' headers and the small
+# fields (purpose, expires_after). The body limit allows this much over BATCH_MAX_FILE_BYTES, and
+# a body's Content-Length less this much is the least its file can be.
+MULTIPART_ALLOWANCE = 1 << 20
+
+
+def least_file_bytes(content_length):
+    """The least size of the file a multipart body of `content_length` can hold; None when the
+    body's size is not declared."""
+    try:
+        declared = int(content_length)
+    except (TypeError, ValueError):
+        return None
+    return max(0, declared - MULTIPART_ALLOWANCE)
 
 
 def file_limit(what, limit, setting, measured):

@@ -7,9 +7,9 @@ from rest_framework.decorators import action
 from rest_framework.parsers import MultiPartParser
 from rest_framework.response import Response
 
-from files_app.models import File, IdempotencyKey, disk_full
+from files_app.models import File, IdempotencyKey, disk_full, over_file_quota
 from files_app.shapes import FileDeleted, FileList, FileObject, FileUpload
-from files_app.uploads import BatchFileUploadHandler
+from files_app.uploads import BatchFileUploadHandler, least_file_bytes
 from millm_lib.errors import ApiError
 from millm_lib.openapi import IDEMPOTENCY_HEADER, PATH_ID, drf_errors
 from millm_lib.limits import EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
@@ -47,7 +47,7 @@ class FileViewSet(viewsets.ViewSet):
     parser_classes = [MultiPartParser]
 
     def list(self, request):
-        files = File.objects.visible()
+        files = File.objects.visible().owned_by(request.project)
         purpose = request.query_params.get("purpose")
         if purpose:
             files = files.filter(purpose=purpose)
@@ -57,13 +57,17 @@ class FileViewSet(viewsets.ViewSet):
         return Response(list_page(FileList, [file.to_openai() for file in items], has_more))
 
     def retrieve(self, request, pk=None):
-        return Response(_visible(pk).to_openai())
+        return Response(_visible(pk, request.project).to_openai())
 
     def create(self, request):
         key = request.headers.get("Idempotency-Key")
-        existing = IdempotencyKey.lookup("file", key)
+        existing = IdempotencyKey.lookup("file", key, request.project)
         if existing is not None:
             return Response(File.objects.get(pk=existing).to_openai())
+        least = least_file_bytes(request.META.get("CONTENT_LENGTH"))
+        refusal = over_file_quota(request.project, least) if least is not None else None
+        if refusal is not None:
+            raise refusal  # before a byte of the body is parsed
         request._request.upload_handlers = [BatchFileUploadHandler(request._request)]
         purpose = request.data.get("purpose")
         if purpose != File.Purpose.BATCH:
@@ -82,7 +86,10 @@ class FileViewSet(viewsets.ViewSet):
             _discard(request)
             raise
         try:
-            file, _ = File.record(upload, File.Purpose.BATCH, seconds, key)
+            file, _ = File.record(upload, File.Purpose.BATCH, seconds, key, project=request.project)
+        except ApiError:  # over the project's file_bytes quota
+            _discard(request)
+            raise
         except OSError as error:
             _discard(request)
             refusal = disk_full(error)
@@ -92,22 +99,23 @@ class FileViewSet(viewsets.ViewSet):
         return Response(file.to_openai())
 
     def destroy(self, request, pk=None):
-        file = _visible(pk)
+        file = _visible(pk, request.project)
         file.remove()
         return Response(FileDeleted(id=file.id, object="file", deleted=True))
 
     @action(detail=True, methods=["get"])
     def content(self, request, pk=None):
         # application/jsonl whatever Accept says (the SDK sends application/binary).
-        return file_response(_visible(pk).open_content(), content_type="application/jsonl")
+        return file_response(_visible(pk, request.project).open_content(), content_type="application/jsonl")
 
     def perform_content_negotiation(self, request, force=False):
         # JSON whatever Accept says: the SDK asks for application/binary on content downloads.
         return super().perform_content_negotiation(request, force=True)
 
 
-def _visible(file_id):
-    file = File.objects.visible().filter(pk=file_id).first()
+def _visible(file_id, project):
+    # Another project's file answers exactly as an unknown id: nothing tells it exists.
+    file = File.objects.visible().owned_by(project).filter(pk=file_id).first()
     if file is None:
         raise ApiError(404, "file_not_found", f"No file has the id '{file_id}'", param="file_id")
     return file

@@ -122,7 +122,8 @@ async def model_load(request, model_id):
     entry = await sync_to_async(_entry)(model_id)
     engine = await sync_to_async(gateway.engine_to_load)(entry.pk, body.engine)
     acknowledged = await gateway.control(
-        engine, "load", request.request_id, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER)
+        engine, "load", request.request_id, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER),
+        project=gateway.caller(request),
     )
     entry = await sync_to_async(_entry)(model_id)
     return ok(ControlAccepted(model=entry.to_management(), engine=acknowledged["engine"]), status=202)
@@ -136,7 +137,8 @@ async def model_unload(request, model_id):
     engine = await sync_to_async(Engine.objects.serving)(entry.pk)
     if engine is None:
         raise ApiError(409, "model_not_resident", f"The model '{model_id}' is not resident; nothing to unload")
-    acknowledged = await gateway.control(engine, "unload", request.request_id, lease=request.headers.get(LEASE_HEADER))
+    acknowledged = await gateway.control(engine, "unload", request.request_id, lease=request.headers.get(LEASE_HEADER),
+                                         project=gateway.caller(request))
     entry = await sync_to_async(_entry)(model_id)
     return ok(ControlAccepted(model=entry.to_management(), engine=acknowledged["engine"]), status=202)
 
@@ -186,7 +188,8 @@ async def _weights(request, model_id, op, **fields):
             param="model",
         )
     data = await gateway.control(
-        engine, "weights", request.request_id, op=op, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER), **fields
+        engine, "weights", request.request_id, op=op, model_id=entry.pk, lease=request.headers.get(LEASE_HEADER),
+        project=gateway.caller(request), **fields
     )
     return ok(data, status=201 if op == "save" else 200)
 
@@ -214,7 +217,7 @@ def lease(request, model_id):
     engine = Engine.objects.serving(entry.pk)
     if engine is None:
         raise ApiError(409, "model_not_resident", f"The model '{model_id}' is not resident; only a resident model is leased")
-    held, lease_id = Lease.acquire(engine, entry.pk, body.holder, body.reason, body.ttl_seconds)
+    held, lease_id = Lease.acquire(engine, entry.pk, body.holder, body.reason, body.ttl_seconds, project=request.project)
     if lease_id is None:
         raise model_leased(held, "a second lease")
     return ok(LeaseAcquired(id=lease_id, **held.status()), status=201)
@@ -233,7 +236,7 @@ def _presented_for(request, entry):
     value = request.headers.get(LEASE_HEADER)
     if not value:
         raise ApiError(400, "invalid_lease_request", f"Send the lease id in {LEASE_HEADER}", param=LEASE_HEADER)
-    held = presented_lease(value)
+    held = presented_lease(value, request.project)
     if held.model_id != entry.pk:
         raise lease_not_found()
     if not held.live:
@@ -252,10 +255,10 @@ def _presented_for(request, entry):
 @api_route("GET", "POST")
 def probes(request):
     if request.method == "GET":
-        return ok([probe.summary() for probe in Probe.objects.all()])
+        return ok([probe.summary() for probe in Probe.objects.owned_by(request.project)])
     body = _body(request, ProbeImport, "invalid_probe_request")
     _check_probe_against_resident(body)
-    probe = Probe.objects.import_probe(body)
+    probe = Probe.objects.import_probe(body, project=request.project)
     return ok(probe.summary(), status=201)
 
 
@@ -281,7 +284,7 @@ def _check_probe_against_resident(body):
 )
 @api_route("GET", "DELETE")
 def probe(request, probe_id):
-    found = Probe.objects.filter(pk=probe_id).first()
+    found = Probe.objects.owned_by(request.project).filter(pk=probe_id).first()
     if found is None:
         raise ApiError(404, "probe_not_found", f"No probe has the id '{probe_id}'")
     if request.method == "DELETE":
@@ -297,8 +300,9 @@ async def probe_score(request):
     require_json(request)
     raw = request.body
     parsed = parse_request(PROBE_SCORE, decode_json(raw), strict=True)
-    model_id = await sync_to_async(Probe.objects.model_of)(parsed.request.probe_ids)
+    model_id = await sync_to_async(Probe.objects.owned_by(request.project).model_of)(parsed.request.probe_ids)
     engine = await gateway.engine_with_resident_model(model_id)
-    body, headers = await gateway.call(engine, PROBE_SCORE, raw.decode("utf-8"), True, request.request_id)
+    body, headers = await gateway.call(engine, PROBE_SCORE, raw.decode("utf-8"), True, request.request_id,
+                                       {"project": gateway.caller(request)})
     return json_response(body, headers=headers)
 

@@ -38,6 +38,13 @@ def on_db_pool(func):
     return sync_to_async(run, thread_sensitive=False, executor=_db_pool)
 
 
+def caller(request):
+    """The caller's project id, which a message to the engine carries for its ownership checks
+    (the leases and probes a caller may present, SPEC 10d)."""
+    project = getattr(request, "project", None)
+    return project.pk if project is not None else None
+
+
 def engine_unavailable(model_id):
     return ApiError(
         503,

@@ -409,8 +409,9 @@ class Lease(models.Model):
         return f"{self.holder} on {self.model_id}"
 
     @classmethod
-    def acquire(cls, engine, model_id, holder, reason, ttl_seconds):
-        """Returns (lease, its id) or (the live lease that blocks, None).
+    def acquire(cls, engine, model_id, holder, reason, ttl_seconds, project=None):
+        """Returns (lease, its id) or (the live lease that blocks, None). The lease is `project`'s;
+        a live lease blocks whichever project holds it.
 
         The engine row is locked so two callers cannot both see "no live lease" and both take one.
         """
@@ -431,6 +432,7 @@ class Lease(models.Model):
                 acquired_at=now,
                 renewed_at=now,
                 expires_at=now + timedelta(seconds=ttl_seconds),
+                project=project,
             )
             return lease, lease_id
 
@@ -477,8 +479,8 @@ class Lease(models.Model):
 
 
 class ProbeQuerySet(OwnedQuerySet):
-    def import_probe(self, probe):
-        """A new probe from a probe import (`schemas.ProbeImport`), under a new id."""
+    def import_probe(self, probe, project=None):
+        """A new probe of `project` from a probe import (`schemas.ProbeImport`), under a new id."""
         return self.create(
             id=new_id("probe_"),
             name=probe.name,
@@ -490,6 +492,7 @@ class ProbeQuerySet(OwnedQuerySet):
             norm_std=probe.norm_std if isinstance(probe.norm_std, float) else list(probe.norm_std),
             aggregation=probe.aggregation,
             threshold=probe.threshold,
+            project=project,
         )
 
     def model_of(self, probe_ids):

@@ -57,7 +57,7 @@ async def _infer(request, endpoint):
     parsed = parse_request(endpoint, decode_json(raw), strict)
     engine = await gateway.engine_for(parsed.request.model, policy)
     text = raw.decode("utf-8")
-    extra = {"load_policy": policy, "lease": request.headers.get(LEASE_HEADER)}
+    extra = {"load_policy": policy, "lease": request.headers.get(LEASE_HEADER), "project": gateway.caller(request)}
     if getattr(parsed.request, "stream", False):
         headers, messages = await gateway.open_stream(engine, endpoint, text, strict, request.request_id, extra)
         response = StreamingHttpResponse(_sse(messages), content_type="text/event-stream")

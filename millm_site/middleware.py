@@ -24,7 +24,7 @@ from millm_lib.errors import (
 )
 from millm_lib.ids import new_id
 from millm_lib.keys import bearer_token
-from files_app.uploads import file_limit
+from files_app.uploads import MULTIPART_ALLOWANCE, file_limit
 from projects_app.access import project_for_key
 
 log = logging.getLogger("millm.web")
@@ -46,8 +46,10 @@ def finish_headers(response, request_id):
     if request_id:
         response["X-Request-ID"] = request_id
     response.setdefault("X-Content-Type-Options", "nosniff")  # what SecurityMiddleware sets, for every route
-    # Deterministic refusals: the SDK must not resend them.
-    if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+    # Deterministic refusals: the SDK must not resend them. A 429 without Retry-After (a
+    # project's quota) frees only when a batch ends or a file goes: no retry soon helps.
+    status = response.status_code
+    if 400 <= status < 500 and (status not in (408, 429) or (status == 429 and not response.has_header("Retry-After"))):
         response["x-should-retry"] = "false"
     return response
 
@@ -239,7 +241,8 @@ class ApiKeyMiddleware(Middleware):
         return render_error(
             request.path,
             ApiError(401, "invalid_api_key",
-                     f"The bearer key is {reason}: send Authorization: Bearer <key> with an active API key"),
+                     f"The bearer key is {reason}: send Authorization: Bearer <key> with a key from MILLM_API_KEYS "
+                     "or one `manage.py createapikey` made"),
             request.request_id,
         )
 
@@ -323,10 +326,6 @@ class BodyLimitASGI:
         ]
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-
-# Room for the multipart framing around an upload of exactly BATCH_MAX_FILE_BYTES.
-MULTIPART_ALLOWANCE = 1 << 20
 
 
 def _body_limit(path):

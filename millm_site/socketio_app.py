@@ -1,6 +1,10 @@
 """Socket.IO at /socket.io/ (python-socketio), so the original's clients keep working:
 `socket.on("batch:progress", ...)`, and `socket.emit("join", "<batch id>")` for one batch.
 
+A client hears the batches of its key's project (an admin project's key or a staff session:
+every batch), in the rooms `batches_app.events.rooms_for` names; joining another project's
+batch is answered as for an unknown id (SPEC 10d).
+
 Every web process runs this server on python-socketio's Redis manager; whoever publishes a
 `batch:progress` (the engine, or web on create and cancel) emits through a write-only manager
 on the same Redis channel, so every connected client hears it whatever process it is on.
@@ -19,7 +23,6 @@ from inference_app.events import socketio_channel
 from millm_lib.keys import origin_allowed, socket_key
 from projects_app.access import project_for_key
 
-ALL_ROOM = "batches"
 MODELS_ROOM = "models"  # model:load:progress, model:load:complete, model:load:error, model:unload:complete
 
 
@@ -53,25 +56,35 @@ def staff_session(cookie_header):
 
 @sio.event
 async def connect(sid, environ, auth):
-    if not await sync_to_async(staff_session)(environ.get("HTTP_COOKIE", "")):
+    from batches_app import events
+
+    if await sync_to_async(staff_session)(environ.get("HTTP_COOKIE", "")):
+        project = None  # sees every batch
+    else:
         token = socket_key(environ.get("HTTP_AUTHORIZATION", ""), environ.get("QUERY_STRING", ""), auth)
-        if await sync_to_async(project_for_key)(token) is None:
+        project = await sync_to_async(project_for_key)(token)
+        if project is None:
             raise socketio.exceptions.ConnectionRefusedError("an active API key is needed")
-    await sio.enter_room(sid, ALL_ROOM)
+    await sio.save_session(sid, {"project": project})
+    for room in events.rooms_for(project):
+        await sio.enter_room(sid, room)
     await sio.enter_room(sid, MODELS_ROOM)
 
 
 @sio.event
 async def join(sid, batch_id):
-    """Follow one batch: leave the all-batches room, join `batch:<id>`, get its state now."""
+    """Follow one batch of the client's project: leave its project's (or the all-batches) room,
+    join `batch:<id>`, get its state now. Another project's batch is an unknown id."""
     from batches_app import events
     from batches_app.models import Batch
 
-    batch = await sync_to_async(Batch.objects.filter(pk=str(batch_id)).first)()
+    project = (await sio.get_session(sid))["project"]
+    batch = await sync_to_async(Batch.objects.owned_by(project).filter(pk=str(batch_id)).first)()
     if batch is None:
         return {"ok": False, "error": f"No batch has the id '{batch_id}'"}
-    await sio.leave_room(sid, ALL_ROOM)
-    await sio.enter_room(sid, f"batch:{batch.id}")
+    for room in events.rooms_for(project):
+        await sio.leave_room(sid, room)
+    await sio.enter_room(sid, events.batch_room(batch.id))
     await sio.emit(events.EVENT, events.progress(batch), to=sid)
     return {"ok": True}
 

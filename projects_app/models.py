@@ -35,6 +35,19 @@ class ProjectQuerySet(models.QuerySet):
         """The project called `name`, made (an admin project when `admin`) if missing."""
         return self.get_or_create(name=name, defaults={"id": new_id("proj_"), "is_admin": admin})[0]
 
+    def calling(self, project_id):
+        """The project a message web forwards to the engine names (its id), for the engine's
+        ownership checks. None, which sees everything, only when it names none: the engine's
+        own work."""
+        from millm_lib.errors import ApiError
+
+        if project_id is None:
+            return None
+        found = self.filter(pk=project_id).first()
+        if found is None:  # deleted in the admin since the request was let in: it owns nothing
+            raise ApiError(401, "invalid_api_key", "The project of the bearer key no longer exists")
+        return found
+
 
 class Project(models.Model):
     id = models.CharField(primary_key=True, max_length=40)
@@ -55,6 +68,14 @@ class Project(models.Model):
         field, setting = QUOTAS[quota]
         own = getattr(self, field)
         return own if own is not None else getattr(settings, setting)
+
+    def lock_for_quotas(self):
+        """The project's row, locked until the caller's transaction ends, with its limits as they
+        are now. Every create that checks a quota takes it before counting: two creates of one
+        project then count each other's rows, where both would read the same use and both pass.
+        FOR NO KEY UPDATE: it queues quota checks behind each other, but not the inserts of rows
+        that merely reference the project (an engine recording a batch's output file)."""
+        return Project.objects.select_for_update(no_key=True).get(pk=self.pk)
 
 
 class OwnedQuerySet(models.QuerySet):

@@ -20,7 +20,7 @@ from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
 from millm_lib.ids import new_id
-from projects_app.models import OwnedQuerySet
+from projects_app.models import DEFAULT_PROJECT, OwnedQuerySet
 from millm_lib.pagination import cursor_page
 
 BATCH_EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
@@ -39,6 +39,14 @@ def stamp(moment):
 class EndpointQuerySet(OwnedQuerySet):
     def subscribed_to(self, event_type):
         return self.filter(event_types__contains=[event_type])
+
+    def hearing(self, project):
+        """The endpoints that hear the events of an object of `project`: that project's own
+        (an admin project's hear only its own objects too). An object or an endpoint with no
+        project is the default project's, as `owned_by` has it."""
+        if project is None or project.name == DEFAULT_PROJECT:
+            return self.filter(models.Q(project__isnull=True) | models.Q(project__name=DEFAULT_PROJECT))
+        return self.filter(project=project)
 
     def page(self, after=None, limit=20):
         return cursor_page(self, after, limit)
@@ -67,8 +75,9 @@ class WebhookEndpoint(models.Model):
         return f"{self.name} ({self.url})"
 
     @classmethod
-    def register(cls, name, url, event_types):
-        return cls.objects.create(id=new_id("whep_"), name=name, url=url, event_types=event_types, secret=_new_secret())
+    def register(cls, name, url, event_types, project=None):
+        return cls.objects.create(id=new_id("whep_"), name=name, url=url, event_types=event_types, secret=_new_secret(),
+                                  project=project)
 
     def change(self, **fields):
         """Set the given fields (name, url, event_types); `updated_at` moves only when one changes."""
@@ -128,10 +137,12 @@ def event_body(event_type, data, created_at, event_id=None):
 
 
 class DeliveryQuerySet(models.QuerySet):
-    def enqueue(self, event_type, data, created_at):
-        """One event, a delivery to each endpoint subscribed to its type; none when nobody is.
-        Call it inside the transaction that makes the event true."""
-        endpoints = list(WebhookEndpoint.objects.subscribed_to(event_type).values_list("pk", flat=True))
+    def enqueue(self, event_type, data, created_at, project=None):
+        """One event about an object of `project` (None: the default project's), a delivery to
+        each of that project's endpoints subscribed to its type; none when nobody is. Call it
+        inside the transaction that makes the event true."""
+        hearing = WebhookEndpoint.objects.hearing(project).subscribed_to(event_type)
+        endpoints = list(hearing.values_list("pk", flat=True))
         if not endpoints:
             return []
         payload = event_body(event_type, data, created_at)
@@ -219,14 +230,17 @@ class Delivery(models.Model):
         elif not attempt.retryable:
             fields.update(status=self.Status.FAILED)
         else:
+            # Counted from the attempt's end, not its start: after a timeout, the backoff still
+            # separates the two attempts.
+            ended = timezone.now()
             delay = attempt.retry_after if attempt.retry_after is not None else backoff(self.attempts + 1)
             # Compared in seconds: a receiver's Retry-After of 10^12 s overflows a datetime.
-            if delay > (self.give_up_at - attempt.at).total_seconds():
+            if delay > (self.give_up_at - ended).total_seconds():
                 fields.update(status=self.Status.FAILED, last_error=(
                     f"{attempt.error or f'answered {attempt.status_code}'}; gave up after {self.attempts + 1} "
                     f"attempt(s): the retry window (MILLM_WEBHOOK_RETRY_HOURS) closed")[:ERROR_MAX])
             else:
-                fields.update(next_attempt_at=attempt.at + timedelta(seconds=delay))
+                fields.update(next_attempt_at=ended + timedelta(seconds=delay))
         return Delivery.objects.filter(pk=self.pk, claim_token=self.claim_token).update(**fields) == 1
 
     def retry_now(self):

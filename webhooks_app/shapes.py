@@ -3,6 +3,7 @@ miServer's own) and the bodies it takes, as /api/schema/ shows them (requests.py
 
 from typing import Literal
 
+from drf_spectacular.utils import extend_schema_serializer
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
 
@@ -27,6 +28,7 @@ class WebhookEndpointWithSecret(WebhookEndpointObject):
     signing_secret: str
 
 
+@extend_schema_serializer(many=False)  # a list page is one object, not an array of them
 class WebhookEndpointList(Shape):
     object: Literal["list"]
     data: list[WebhookEndpointObject]

@@ -30,37 +30,37 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
                    responses={200: WebhookEndpointList, **drf_errors()})
     def list(self, request):
         limit = query_int(request, "limit", 20, 1, 100)
-        items, has_more = WebhookEndpoint.objects.page(request.query_params.get("after"), limit)
+        items, has_more = WebhookEndpoint.objects.owned_by(request.project).page(request.query_params.get("after"), limit)
         return Response(list_page(WebhookEndpointList, [endpoint.to_openai() for endpoint in items], has_more))
 
     @extend_schema(summary="Register a webhook endpoint; its signing secret is answered this once",
                    request=EndpointCreate, responses={200: WebhookEndpointWithSecret, **drf_errors()})
     def create(self, request):
-        endpoint = WebhookEndpoint.register(**requests.endpoint_fields(request.data))
+        endpoint = WebhookEndpoint.register(**requests.endpoint_fields(request.data), project=request.project)
         return Response(endpoint.to_openai(with_secret=True))
 
     @extend_schema(summary="A webhook endpoint", parameters=[PATH_ID],
                    responses={200: WebhookEndpointObject, **drf_errors()})
     def retrieve(self, request, pk=None):
-        return Response(_endpoint(pk).to_openai())
+        return Response(_endpoint(request, pk).to_openai())
 
     @extend_schema(summary="Change a webhook endpoint's name, url or event types", operation_id="v1_webhook_endpoints_update",
                    parameters=[PATH_ID],
                    request=EndpointUpdate, responses={200: WebhookEndpointObject, **drf_errors()})
     def change(self, request, pk=None):
-        endpoint = _endpoint(pk)
+        endpoint = _endpoint(request, pk)
         return Response(endpoint.change(**requests.endpoint_fields(request.data, partial=True)).to_openai())
 
     @extend_schema(summary="Delete a webhook endpoint; its pending deliveries are never sent", parameters=[PATH_ID],
                    responses={200: WebhookEndpointDeleted, **drf_errors()})
     def destroy(self, request, pk=None):
-        _endpoint(pk).remove()
+        _endpoint(request, pk).remove()
         return Response(WebhookEndpointDeleted(id=pk, object="webhook_endpoint.deleted", deleted=True))
 
     @extend_schema(summary="Send a signed sample event now and report the receiver's answer", parameters=[PATH_ID],
                    request=EndpointTest, responses={200: WebhookEndpointTestResult, **drf_errors()})
     def test(self, request, pk=None):
-        endpoint = _endpoint(pk)
+        endpoint = _endpoint(request, pk)
         event_type = requests.test_event_type(request.data)
         payload = event_body(event_type, {"id": new_id("batch_")}, timezone.now())
         attempt = async_to_sync(_send_once)(endpoint, payload)
@@ -73,14 +73,14 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
     @extend_schema(summary="A new signing secret (the old one may keep signing beside it for 24 hours)",
                    parameters=[PATH_ID], request=RotateSecret, responses={200: WebhookEndpointWithSecret, **drf_errors()})
     def rotate_secret(self, request, pk=None):
-        endpoint = _endpoint(pk)
+        endpoint = _endpoint(request, pk)
         keep_old = requests.keep_old_secret(request.data)
         return Response(endpoint.rotate_secret(keep_old).to_openai(with_secret=True))
 
     @extend_schema(summary="An endpoint's deliveries, newest first (miServer's own)", parameters=[PATH_ID, *PAGE],
                    responses={200: WebhookDeliveryList, **drf_errors()})
     def deliveries(self, request, pk=None):
-        endpoint = _endpoint(pk)
+        endpoint = _endpoint(request, pk)
         limit = query_int(request, "limit", 20, 1, 100)
         items, has_more = Delivery.objects.filter(endpoint=endpoint).page(request.query_params.get("after"), limit)
         return Response(list_page(WebhookDeliveryList, [delivery.to_openai() for delivery in items], has_more))
@@ -93,8 +93,9 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
         return super().perform_content_negotiation(request, force=True)
 
 
-def _endpoint(endpoint_id):
-    endpoint = WebhookEndpoint.objects.filter(pk=endpoint_id).first()
+def _endpoint(request, endpoint_id):
+    """The caller's endpoint: another project's id is answered as an unknown one (SPEC 10d)."""
+    endpoint = WebhookEndpoint.objects.owned_by(request.project).filter(pk=endpoint_id).first()
     if endpoint is None:
         raise ApiError(404, "webhook_endpoint_not_found", f"No webhook endpoint has the id '{endpoint_id}'",
                        param="webhook_endpoint_id")

@@ -120,11 +120,13 @@ class Residency:
         Engine.objects.set_resident(engine_id, None)
         ModelEntry.objects.release_unless_served(model_id, engine_id)
 
-    def probes_for(self, request):
-        """The probe specs a probe-score request scores, checked against the resident model."""
+    def probes_for(self, request, project=None):
+        """The probe specs a probe-score request of `project` scores (its own probes: another
+        project's id is unknown), checked against the resident model."""
         model_id = self.runtime.model_id
+        owned = Probe.objects.owned_by(project)
         if request.probe_ids:
-            found = {probe.pk: probe for probe in Probe.objects.filter(pk__in=request.probe_ids)}
+            found = {probe.pk: probe for probe in owned.filter(pk__in=request.probe_ids)}
             missing = [probe_id for probe_id in request.probe_ids if probe_id not in found]
             if missing:
                 raise ApiError(404, "probe_not_found", f"No probe has the id '{missing[0]}'", param="probe_ids")
@@ -138,7 +140,7 @@ class Residency:
                     details={"mismatches": [{"field": "model", "expected": model_id, "actual": wrong[0].model_id}]},
                 )
         else:
-            probes = list(Probe.objects.filter(model_id=model_id).order_by("created_at")[: settings.PROBE_SCORE_MAX_PROBES])
+            probes = list(owned.filter(model_id=model_id).order_by("created_at")[: settings.PROBE_SCORE_MAX_PROBES])
             if not probes:
                 raise ApiError(
                     400,
@@ -205,7 +207,7 @@ class Residency:
                 raise model_not_found(target, f"The model '{target}' is not in the catalogue")
             if target != current:
                 action = "loading another model" if target else "unloading it"
-                await sync_to_async(check_lease_allows)(current, message.get("lease"), action)
+                await sync_to_async(check_lease_allows)(current, message.get("lease"), action, message.get("project"))
         except ApiError as error:
             await send_to(layer, message["reply"], {"type": "error", "error": error.to_wire()})
             return
@@ -229,7 +231,8 @@ class Residency:
                 current = self.runtime.model_id if self.runtime else None
                 if current != model_id:
                     raise model_not_resident(model_id, current)
-                await sync_to_async(check_lease_allows)(model_id, message.get("lease"), WEIGHT_ACTIONS[op])
+                await sync_to_async(check_lease_allows)(model_id, message.get("lease"), WEIGHT_ACTIONS[op],
+                                                         message.get("project"))
                 async with self.worker.slot.hold(interactive=True, limited=False):
                     body = await asyncio.get_running_loop().run_in_executor(
                         self.worker.seating.model_thread, self._weights_in_thread, op, message

@@ -28,11 +28,17 @@ from inference_app.models import ModelEntry
 from millm_lib.jsonbody import decode_json
 from inference_app.schemas import parse_request
 from millm_lib.limits import PROBE_SCORE
+from projects_app.models import Project
 
 log = logging.getLogger("millm.engine")
 
 SHUTDOWN_GRACE_S = 30
 LAYER_RETRY_MAX_S = 2.0
+
+
+def _callers_probes(worker, request, project_id):
+    """The probes a forwarded probe score scores: its caller's own (`project_id`, as web sent it)."""
+    return worker.probes_for(request, Project.objects.calling(project_id))
 
 
 class Serving:
@@ -117,7 +123,7 @@ class Serving:
                 if parsed.endpoint == PROBE_SCORE:
                     if worker.runtime is None:
                         raise model_not_loaded()
-                    probes = await sync_to_async(worker.probes_for)(parsed.request)
+                    probes = await sync_to_async(_callers_probes)(worker, parsed.request, message.get("project"))
                     wanted = worker.runtime.model_id
                 else:
                     wanted = parsed.request.model
@@ -167,7 +173,8 @@ class Serving:
                 raise model_not_found(model_id, f"The model '{model_id}' does not exist")
             current = residency.runtime.model_id if residency.runtime else None
             check_request_may_load(entry, message.get("load_policy"), current)
-            await sync_to_async(check_lease_allows)(current, message.get("lease"), "loading another model")
+            await sync_to_async(check_lease_allows)(current, message.get("lease"), "loading another model",
+                                                     message.get("project"))
             try:
                 await residency.swap(model_id)
             except Exception as error:

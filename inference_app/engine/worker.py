@@ -85,8 +85,8 @@ class Worker:
     def load(self, model_id=None, startup=False):
         return self.residency.load(model_id, startup=startup)
 
-    def probes_for(self, request):
-        return self.residency.probes_for(request)
+    def probes_for(self, request, project=None):
+        return self.residency.probes_for(request, project)
 
     def unregister(self):
         close_old_connections()
