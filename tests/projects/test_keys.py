@@ -14,6 +14,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 
 from millm_site.asgi import application
+from tests.e2e.test_security import keyed_routes
 from projects_app.access import project_for_key
 from projects_app.models import ApiKey, Project
 
@@ -73,7 +74,11 @@ def test_once_a_key_exists_the_server_needs_one_and_revoking_refuses_it_at_once(
     ApiKey.objects.get().revoke()
     revoked = client.get("/v1/files", HTTP_AUTHORIZATION=f"Bearer {key}")
     assert revoked.status_code == 401 and "revoked" in revoked.json()["error"]["message"]
-    assert client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {key}").status_code == 401
+    # Every keyed route, as the URL resolver lists them (tests/e2e/test_security.py's walk).
+    for route, path in keyed_routes():
+        for method in ("GET", "POST", "DELETE"):
+            answer = client.generic(method, path, HTTP_AUTHORIZATION=f"Bearer {key}")
+            assert answer.status_code == 401, (method, route, answer.status_code)
     assert client.get("/v1/files").status_code == 401  # revoking the last key never opens the server
 
 
