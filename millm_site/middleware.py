@@ -12,6 +12,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.utils.module_loading import import_string
 
 from inference_app import metrics
+from inference_app.gateway import on_db_pool
 from millm_lib.errors import (
     ApiError,
     error_response,
@@ -247,8 +248,10 @@ class ApiKeyMiddleware(Middleware):
         )
 
     async def _acall(self, request):
-        # The key is looked up in the database: off the event loop.
-        early = await sync_to_async(self.before)(request)
+        # The key is looked up in the database: off the event loop, on the gateway's few shared
+        # threads. On the request's own thread each waiting chat would hold a connection from the
+        # pool until it ends: 100 queued chats would exhaust it and fail with 500.
+        early = await on_db_pool(self.before)(request)
         if early is not None:
             return self.after(request, early)
         return self.after(request, await self.get_response(request))
