@@ -21,7 +21,12 @@ from django.http import Http404  # noqa: E402
 
 from batches_app.routing import websocket_urlpatterns  # noqa: E402
 from millm_site.middleware import BodyLimitASGI  # noqa: E402
+from millm_site import redaction  # noqa: E402
 from millm_site.socketio_app import application as socketio_application  # noqa: E402
+
+
+# uvicorn logs WebSocket handshakes (path and query) on "uvicorn.error", access lines on "uvicorn.access".
+redaction.install("uvicorn.error", "uvicorn.access")
 
 
 class StaticFiles(ASGIStaticFilesHandler):

@@ -7,6 +7,7 @@ as an unknown one; events reach only the owner and the admin; a quota's refusal 
 RateLimitError."""
 
 import asyncio
+import hashlib
 import json
 import re
 import subprocess
@@ -245,3 +246,21 @@ def test_over_a_quota_the_sdk_raises_rate_limit_error_and_nothing_is_stored(tena
         tenants.sql("UPDATE projects_app_project SET max_file_bytes = NULL WHERE name = 'alpha' RETURNING id")
     wait_until(lambda: alpha.client.files.create(file=("ok.jsonl", to_jsonl(scoring_lines(1, "ok"))), purpose="batch"), 5,
                "the upload was still refused with the quota lifted")
+
+
+def test_no_key_is_in_the_logs_or_the_database(tenants):
+    """After everything above, the three keys appear in no process's log and in no text column
+    of any table: only their hashes and hints are stored."""
+    keys = [tenants.alpha.key, tenants.beta.key, tenants.admin.key]
+    for process in tenants.processes:
+        log = process.log()
+        assert not [key for key in keys if key in log], process.name
+    columns = tenants.sql("SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public' "
+                          "AND data_type IN ('text', 'character varying', 'jsonb', 'json')")
+    assert len(columns) > 20
+    for table, column in columns:
+        for key in keys:
+            found = tenants.sql(f'SELECT count(*) FROM "{table}" WHERE "{column}"::text LIKE %s', [f"%{key}%"])
+            assert found == [(0,)], (table, column)
+    hashes = {row[0] for row in tenants.sql("SELECT key_hash FROM projects_app_apikey")}
+    assert {hashlib.sha256(key.encode()).hexdigest() for key in keys} <= hashes
