@@ -49,7 +49,8 @@ class BatchAdmin(admin.ModelAdmin):
         the batch the admin looked up."""
         if obj is not None:
             outcome = request.GET.get("outcome")
-            rows = obj.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id", "error", "response")
+            rows = obj.rows.order_by("line").only("line", "custom_id", "outcome", "packed", "request_id", "error", "response",
+                                                     "ran_by")
             if outcome in BatchRow.Outcome.values:
                 rows = rows.filter(outcome=outcome)
             context.update(

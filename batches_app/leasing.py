@@ -121,6 +121,13 @@ def hold(batch, engine_id, ttl_seconds):
     return True
 
 
+def is_held(batch):
+    """A helper's check (SPEC 10c): the lease the batch's leader runs it under, its own or its
+    caller's, is live on its model. Only the leader acquires and renews it."""
+    lease = Lease.objects.filter(pk=batch.lease_id).first() if batch.lease_id else None
+    return lease is not None and lease.live and lease.model_id == batch.model
+
+
 def release_own(batch, reason):
     """The batch's own lease ends (never a caller's: the caller releases that one)."""
     if batch.lease_mode == OWN and batch.lease_id:

@@ -2,11 +2,12 @@
 chunk's results and the batch's counts are written in one transaction fenced by the claim token."""
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 
 from django.db import connection, models, transaction
-from django.db.models import Case, F, Q, Sum, When
+from django.db.models import Case, Exists, F, OuterRef, Q, Sum, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -29,6 +30,8 @@ from millm_lib.pagination import cursor_page
 from webhooks_app.models import Delivery
 
 
+
+log = logging.getLogger("millm.batches")
 
 # A batch's rows still to run: total less completed and failed. Its total is known once it is
 # validated; until then its input file's lines stand for it.
@@ -66,51 +69,66 @@ class BatchQuerySet(OwnedQuerySet):
             runnable |= Q(status=Batch.Status.IN_PROGRESS, model=resident_model_id)
         return self.filter(runnable)
 
+    def to_help(self, resident_model_id, engine_id):
+        """Batches of `resident_model_id` that another running replica leads and that have rows
+        nobody runs: `engine_id` may run chunks of them (SPEC 10c), oldest first."""
+        unclaimed_rows = BatchRow.objects.filter(batch=OuterRef("pk"), outcome=BatchRow.Outcome.PENDING,
+                                                 claimed_by__isnull=True)
+        return (
+            self.filter(status=Batch.Status.IN_PROGRESS, end_status__isnull=True, model=resident_model_id,
+                        claimed_by__in=_running_engines())
+            .exclude(claimed_by=engine_id)
+            .filter(Exists(unclaimed_rows))
+            .order_by("created_at", "id")
+        )
+
     def waiting(self):
         """In progress, unclaimed and not ending: rows waiting for an engine to run them."""
         return self.filter(status=Batch.Status.IN_PROGRESS, claimed_by__isnull=True, end_status__isnull=True)
 
     # --- claims (the fencing tokens) ---
 
-    def claim_oldest(self, engine_id):
+    def claim_oldest(self, engine_id, running_before=None):
         """The oldest unclaimed batch of these (ending ones first), claimed by `engine_id` with a
-        fresh fencing token, or None.
+        fresh fencing token, or None. `running_before`: a batch whose rows are to run is taken only
+        if it was created before then (an older batch another replica leads comes first).
 
         SELECT ... FOR UPDATE SKIP LOCKED: two engines never pick the same row at once.
         """
         with transaction.atomic():
-            batch = (
+            candidates = (
                 self.select_for_update(skip_locked=True)
                 .filter(claimed_by__isnull=True)
                 .annotate(runs_rows=Case(When(Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=True), then=1), default=0))
-                .order_by("runs_rows", "created_at", "id")
-                .first()
             )
+            if running_before is not None:
+                candidates = candidates.filter(Q(runs_rows=0) | Q(created_at__lt=running_before))
+            batch = candidates.order_by("runs_rows", "created_at", "id").first()
             if batch is None or batch.claim(engine_id) is None:
                 return None
         return batch
 
-    def release_claims_of_dead_engines(self, engine_id, model_id):
-        """Start-up reconciliation: release the claims no running engine can still act on.
+    def release_claims_of_dead_engines(self, engine_id, model_id, seat=0):
+        """Start-up reconciliation: release the batch and row claims no running engine can still
+        act on.
 
-        Claims of engines started for our model are dead: we hold the model's advisory lock, which
-        PostgreSQL gave us only once the previous holder's process was gone (its heartbeat may still
-        look fresh). Claims of engines whose heartbeat is stale are dead too. Released batches are
-        picked up again by status: validating validates again; in_progress resumes at its first
-        unrecorded row; finalizing assembles again; cancelling ends cancelled.
+        Claims of engines that held our seat of our model (or came before seats) are dead: we
+        hold that seat's advisory lock, which PostgreSQL gave us only once the previous holder's
+        process was gone (its heartbeat may still look fresh). Engines whose heartbeat is stale,
+        or whose seat another replica saw free (`Engine.objects.demote_seatless`), are dead too.
+        Released batches are picked up again by status: validating validates again; in_progress
+        resumes at its first unrecorded row; finalizing assembles again; cancelling ends cancelled.
         """
-        same_model = Engine.objects.filter(model_id=model_id).exclude(pk=engine_id).values_list("pk", flat=True)
-        return (
-            self.unfinished()
-            .exclude(claimed_by=None)
-            .exclude(claimed_by=engine_id)
-            .filter(Q(claimed_by__in=list(same_model)) | ~Q(claimed_by__in=_live_engines()))
-            .update(claimed_by=None, claim_token=None)
-        )
+        same_seat = list(Engine.objects.filter(model_id=model_id).filter(Q(seat=seat) | Q(seat__isnull=True))
+                         .exclude(pk=engine_id).values_list("pk", flat=True))
+        BatchRow.objects.release_claims_of(same_seat)
+        released = self.unfinished().filter(claimed_by__in=same_seat).update(claimed_by=None, claim_token=None)
+        return released + self.release_stale_claims()
 
     def release_stale_claims(self):
-        """While running: claims of engines whose heartbeat went stale (never a live engine's)."""
-        return self.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_live_engines()).update(
+        """Claims of engines no longer running (never a running engine's): batches and rows."""
+        BatchRow.objects.release_dead_claims()
+        return self.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_running_engines()).update(
             claimed_by=None, claim_token=None
         )
 
@@ -155,8 +173,8 @@ class BatchQuerySet(OwnedQuerySet):
         return self.waiting().filter(expires_at__lte=timezone.now()).update(end_status=Batch.Status.EXPIRED)
 
 
-def _live_engines():
-    return list(Engine.objects.live().values_list("pk", flat=True))
+def _running_engines():
+    return list(Engine.objects.running().values_list("pk", flat=True))
 
 
 class Batch(models.Model):
@@ -414,18 +432,31 @@ class Batch(models.Model):
         (the runner's next check sees it)."""
         return self._move([self.Status.IN_PROGRESS], self.Status.FINALIZING)
 
-    def record_chunk(self, results, chunk):
+    def record_chunk(self, results, chunk, engine_id, leading=True):
         """Write a chunk's results (RowResults) and the batch's counts in one transaction, fenced.
 
-        One UPDATE writes every row, and only rows still pending: a recorded row is never written
-        again (if one was, the whole chunk is refused and rolled back).
+        One UPDATE writes every row, and only rows still pending and still under the claim their
+        chunk took: a recorded row is never written again. A row whose claim was lost meanwhile
+        (we looked dead to another replica's sweep, which freed it) is not written and not
+        counted: another engine runs or ran it. The leader's chunk is fenced by the batch's claim token too;
+        a helper's (a replica running rows of a batch another replica leads) only while the batch
+        runs and no end was asked for: assembly begins after `mark_ending` or `start_finalizing`,
+        each an update of the batch row this transaction locks, so a helper's chunk lands before
+        assembly reads the rows, or not at all.
         """
         with transaction.atomic():
-            self.fenced()
-            written = BatchRow.objects.record(results, chunk, timezone.now())
-            if written != {result.row.pk for result in results}:
-                line = min(result.row.line for result in results if result.row.pk not in written)
-                raise FencedOut(f"row {line} of {self.pk} was already recorded")
+            if leading:
+                self.fenced()
+            else:
+                locked = Batch.objects.select_for_update().filter(pk=self.pk).first()
+                if locked is None or locked.status != self.Status.IN_PROGRESS or locked.end_status:
+                    raise FencedOut(f"{self.pk} is ending: a helper's chunk is not recorded")
+            written = BatchRow.objects.record(results, chunk, timezone.now(), engine_id)
+            lost = [result.row.line for result in results if result.row.pk not in written]
+            if lost:
+                log.warning("lines %s of %s were recorded by another engine or their claim is no longer ours: "
+                            "not written", lost, self.pk)
+                results = [result for result in results if result.row.pk in written]
             succeeded = [result.usage for result in results if result.outcome == BatchRow.Outcome.SUCCEEDED]
             Batch.objects.filter(pk=self.pk).update(
                 completed=F("completed") + len(succeeded),
@@ -526,6 +557,52 @@ class BatchRowQuerySet(models.QuerySet):
     def unrecorded(self):
         return self.filter(outcome=BatchRow.Outcome.PENDING).order_by("line")
 
+    def claimable(self, engine_id):
+        """Pending rows nobody runs now, or that `engine_id` claimed and has not run (the rest of
+        a chunk that gave way), in line order."""
+        return self.unrecorded().filter(Q(claimed_by__isnull=True) | Q(claimed_by=engine_id))
+
+    def claim(self, rows, engine_id):
+        """Claim `rows` (BatchRows) for `engine_id` under one fresh token: the ones it got, each
+        with that token set, in the order given.
+
+        SELECT ... FOR UPDATE SKIP LOCKED: a row another replica is claiming at this instant is
+        skipped, not waited for; a row claimed already (by someone else) is not taken.
+        """
+        if not rows:
+            return []
+        token = uuid.uuid4()
+        with transaction.atomic():
+            free = list(
+                self.select_for_update(skip_locked=True)
+                .filter(pk__in=[row.pk for row in rows], outcome=BatchRow.Outcome.PENDING)
+                .filter(Q(claimed_by__isnull=True) | Q(claimed_by=engine_id))
+                .values_list("pk", flat=True)
+            )
+            BatchRow.objects.filter(pk__in=free).update(claimed_by=engine_id, claim_token=token)
+        got = set(free)
+        for row in rows:
+            if row.pk in got:
+                row.claimed_by, row.claim_token = engine_id, token
+        return [row for row in rows if row.pk in got]
+
+    def release_claims(self, engine_id, rows=None):
+        """`engine_id`'s claims on these pending rows end (it stops running them); `rows`: only
+        those."""
+        mine = self.filter(claimed_by=engine_id, outcome=BatchRow.Outcome.PENDING)
+        if rows is not None:
+            mine = mine.filter(pk__in=[row.pk for row in rows])
+        return mine.update(claimed_by=None, claim_token=None)
+
+    def release_claims_of(self, engine_ids):
+        return self.filter(claimed_by__in=engine_ids).update(claimed_by=None, claim_token=None)
+
+    def release_dead_claims(self):
+        """Claims of engines no longer running (dead, demoted, stopped): their rows run again."""
+        return self.filter(claimed_by__isnull=False).exclude(claimed_by__in=_running_engines()).update(
+            claimed_by=None, claim_token=None
+        )
+
     def backlog(self, model_id):
         """Rows still to run of the running batches of `model_id`."""
         return self.filter(
@@ -533,24 +610,27 @@ class BatchRowQuerySet(models.QuerySet):
             batch__model=model_id, outcome=BatchRow.Outcome.PENDING,
         ).count()
 
-    def record(self, results, chunk, recorded_at):
-        """One UPDATE for a chunk's RowResults, each row written only while still pending;
-        returns the ids it wrote."""
+    def record(self, results, chunk, recorded_at, engine_id):
+        """One UPDATE for a chunk's RowResults, each row written only while still pending and
+        still claimed by `engine_id` under the token it was claimed with; the claim ends and
+        `ran_by` names the engine. Returns the ids it wrote."""
         if not results:
             return set()
         table = BatchRow._meta.db_table
-        values = ", ".join(["(%s::bigint, %s, %s::text, %s::jsonb, %s, %s::boolean, %s::boolean, %s::jsonb)"] * len(results))
+        values = ", ".join(["(%s::bigint, %s, %s::text, %s::jsonb, %s, %s::boolean, %s::boolean, %s::jsonb, %s::uuid)"]
+                           * len(results))
         params = []
         for result in results:
             params += [result.row.pk, result.outcome, BatchRow.response.field.get_prep_value(result.response), _jsonb(result.error),
-                       result.request_id, result.packed, result.batched, _jsonb(result.headers)]
+                       result.request_id, result.packed, result.batched, _jsonb(result.headers), result.row.claim_token]
         with connection.cursor() as cursor:
             cursor.execute(
                 f"UPDATE {table} AS r SET outcome = v.outcome, response = v.response, error = v.error, "
                 f"request_id = v.request_id, packed = v.packed, batched = v.batched, headers = v.headers, chunk = %s, "
-                f"recorded_at = %s FROM (VALUES {values}) AS v(id, outcome, response, error, request_id, packed, batched, headers) "
-                f"WHERE r.id = v.id AND r.outcome = %s RETURNING r.id",
-                [chunk, recorded_at, *params, BatchRow.Outcome.PENDING],
+                f"recorded_at = %s, ran_by = %s, claimed_by = NULL, claim_token = NULL "
+                f"FROM (VALUES {values}) AS v(id, outcome, response, error, request_id, packed, batched, headers, token) "
+                f"WHERE r.id = v.id AND r.outcome = %s AND r.claimed_by = %s AND r.claim_token = v.token RETURNING r.id",
+                [chunk, recorded_at, engine_id, *params, BatchRow.Outcome.PENDING, engine_id],
             )
             return {row[0] for row in cursor.fetchall()}
 
@@ -595,6 +675,11 @@ class BatchRow(models.Model):
     headers = models.JSONField(null=True, blank=True)
     chunk = models.IntegerField(null=True, blank=True)
     recorded_at = models.DateTimeField(null=True, blank=True)
+    # A pending row an engine is running now (SPEC 10c: rows are claimed in chunks, each chunk
+    # fenced by its own token); cleared when it is recorded or released.
+    claimed_by = models.CharField(max_length=40, null=True, blank=True)
+    claim_token = models.UUIDField(null=True, blank=True)
+    ran_by = models.CharField(max_length=40, null=True, blank=True, help_text="The engine that recorded it.")
 
     objects = BatchRowQuerySet.as_manager()
 
@@ -607,7 +692,11 @@ class BatchRow(models.Model):
                 fields=["batch", "custom_id"], condition=~Q(outcome="invalid"), name="one_valid_row_per_custom_id"
             ),
         ]
-        indexes = [models.Index(fields=["batch", "outcome", "line"])]
+        indexes = [
+            models.Index(fields=["batch", "outcome", "line"]),
+            # Claims are few at any time (a chunk per engine): the sweep for dead ones reads this.
+            models.Index(fields=["claimed_by"], condition=Q(claimed_by__isnull=False), name="batchrow_claimed"),
+        ]
 
     def __str__(self):
         return f"line {self.line} of {self.batch_id}"

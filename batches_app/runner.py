@@ -3,10 +3,15 @@
 Two loops share the engine's event loop:
 - validation: claims `validating` batches and validates each in a thread of its own, outside
   the admission slot;
-- running: claims the oldest runnable batch of the resident model and runs it chunk by chunk,
+- running: takes the oldest runnable batch of the resident model and runs it chunk by chunk,
   each chunk under the slot as a background holder (interactive requests go first at every
-  chunk boundary, and a chunk of single rows ends at the next row once one waits), each chunk
-  recorded in one transaction fenced by the claim token.
+  chunk boundary, and a chunk of single rows ends at the next row once one waits), each chunk's
+  rows claimed under a token of its own and recorded in one transaction fenced by it.
+
+Replicas (SPEC 10c): the engine that claims the batch is its *leader*: the checks before each
+chunk, the waiting reasons, finalization and assembly are its alone. Another replica of the
+batch's model finding no older batch to lead *helps*: it claims chunks of the same batch and
+records them while the batch runs and no end was asked for (`Batch.record_chunk`).
 
 Rows run through the very service functions the synchronous routes call.
 """
@@ -35,11 +40,12 @@ from projects_app.models import Project
 log = logging.getLogger("millm.batches")
 
 PROGRESS_LOG_S = 5.0
+HELPERS_POLL_S = 0.5  # a leader waiting for its helpers' last chunks looks this often
 
 
-def reconcile_batches(engine_id, model_id):
+def reconcile_batches(engine_id, model_id, seat=0):
     """Start-up reconciliation (see `release_claims_of_dead_engines`)."""
-    released = Batch.objects.release_claims_of_dead_engines(engine_id, model_id)
+    released = Batch.objects.release_claims_of_dead_engines(engine_id, model_id, seat)
     if released:
         log.info("reconciled %d unfinished batch(es) left by a stopped engine", released)
     return released
@@ -87,11 +93,12 @@ class BatchRunner:
         # Claims we could not release (the database was down): released at the next sweep, or
         # this live engine would hold them forever and the batch would never run again.
         self.unreleased = {}
+        self.rows_run = 0  # rows this engine recorded in the batch in hand (health's batch_work)
 
     # --- entry points the Worker calls ---
 
     def reconcile(self):
-        return reconcile_batches(self.worker.engine_id, self.worker.source.model_id)
+        return reconcile_batches(self.worker.engine_id, self.worker.source.model_id, self.worker.seat)
 
     async def run(self):
         await asyncio.gather(self._validation_loop(), self._run_loop())
@@ -101,7 +108,7 @@ class BatchRunner:
     async def _validation_loop(self):
         while not self.worker.stopping.is_set():
             try:
-                batch = await sync_to_async(self._claim, thread_sensitive=True)(validating=True)
+                batch = await sync_to_async(self._claim_to_validate, thread_sensitive=True)()
                 if batch is None:
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
                     continue
@@ -139,30 +146,57 @@ class BatchRunner:
 
     async def _run_loop(self):
         while not self.worker.stopping.is_set():
-            batch = None
+            batch = leading = None
             try:
                 await sync_to_async(self._sweep)()
-                batch = await sync_to_async(self._claim)(validating=False)
-                if batch is None or await self._process(batch) == "waiting":
+                batch, leading = await sync_to_async(self._claim_to_run)()
+                if batch is None or await self._process(batch, leading) == "waiting":
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
             except FencedOut as fenced:
-                log.warning("fenced out of %s: another engine claimed it", fenced)
+                log.warning("fenced out of %s: another engine claimed it, or it is ending", fenced)
                 await self._abandon_seated()
+                if leading:  # a no-op when the claim is another engine's now; never left held
+                    await sync_to_async(self._release_or_remember)(batch)
             except Exception:
                 log.exception("the batch runner failed; the batch is released and retried")
                 await self._abandon_seated()
-                if batch is not None:
+                if batch is not None and leading:
                     await sync_to_async(self._release_or_remember)(batch)
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
+            finally:
+                if batch is not None:
+                    await sync_to_async(self._let_go_of_rows)(batch)
 
-    def _claim(self, validating):
-        """The oldest batch to validate, or to run on the resident model, claimed with a fresh
-        fencing token; or None."""
+    def _claim_to_validate(self):
+        """The oldest batch to validate, claimed with a fresh fencing token; or None."""
         close_old_connections()
-        if validating:
-            return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
+        return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
+
+    def _claim_to_run(self):
+        """(batch, leading): the oldest batch to end, or to run on the resident model. One that no
+        engine holds is claimed with a fresh fencing token and led; one that another replica leads
+        and that has rows nobody runs is helped, when no older batch waits for a leader (every
+        replica works on the oldest batch first). (None, None) when there is nothing."""
+        close_old_connections()
+        engine_id = self.worker.engine_id
         runtime = self.worker.runtime
-        return Batch.objects.to_run(runtime.model_id if runtime else None).claim_oldest(self.worker.engine_id)
+        model_id = runtime.model_id if runtime else None
+        helpable = Batch.objects.to_help(model_id, engine_id).first() if model_id else None
+        before = helpable.created_at if helpable else None
+        batch = Batch.objects.to_run(model_id).claim_oldest(engine_id, running_before=before)
+        if batch is not None:
+            return batch, True
+        return (helpable, False) if helpable is not None else (None, None)
+
+    def _let_go_of_rows(self, batch):
+        """Done with `batch` for now: our claims on its rows not recorded end, so any replica runs
+        them (best effort: the sweep frees them once we stop running anyway)."""
+        try:
+            close_old_connections()
+            BatchRow.objects.filter(batch=batch).release_claims(self.worker.engine_id)
+        except Exception:
+            log.warning("could not release our row claims on %s", batch.pk, exc_info=True)
+        self.worker.batch_work = None
 
     def _release_or_remember(self, batch):
         try:
@@ -179,50 +213,78 @@ class BatchRunner:
             self.unreleased.pop(batch_id, None)
             log.info("released the claim on %s", batch_id)
 
-    async def _process(self, batch):
-        """Run one claimed batch until it ends or must wait; "waiting" when it must."""
+    async def _process(self, batch, leading=True):
+        """Run one batch, as its leader (claimed) or a helper, until it ends or must wait (or,
+        helping, has no rows left that nobody runs); "waiting" when it must wait."""
         if batch.status != Batch.Status.IN_PROGRESS or batch.end_status:
             await self._assemble(batch)
             return "ended"
         # Rows parsed for an earlier claim may have been recorded since, or the model changed.
         self.parsed.clear()
         self.lengths.clear()
+        self.rows_run = 0
+        self._report_work(batch, leading)
+        # Its rows count in the backlog from now, not from the next sweep (up to BATCH_WAIT_POLL_S).
+        await sync_to_async(self._report_backlog)()
         swept = time.monotonic()
         while not self.worker.stopping.is_set():
             if time.monotonic() - swept > settings.BATCH_WAIT_POLL_S:
                 await sync_to_async(self._sweep)()  # the others' expiry and waiting reasons
                 swept = time.monotonic()
-            verdict = await sync_to_async(self._before_chunk)(batch)
+            verdict = await sync_to_async(self._before_chunk)(batch, leading)
             if verdict == "assemble":
                 await self._abandon_seated()
                 await self._assemble(batch)
                 return "ended"
             if verdict in ("release", "wait"):
                 await self._abandon_seated()
-                await sync_to_async(batch.release_claim)()
+                if leading:
+                    await sync_to_async(batch.release_claim)()
                 return "waiting" if verdict == "wait" else "released"
             if self._decodes_batched(batch):
                 rows = await sync_to_async(self._next_seated_rows)(batch)
                 if rows or self.seated:
-                    await self._run_seated(batch, rows)
+                    await self._run_seated(batch, rows, leading)
                     continue
             rows = await sync_to_async(self._next_chunk)(batch)
-            if not rows:
-                if await sync_to_async(batch.start_finalizing)():
-                    await events.apublish(batch)
-                    await self._assemble(batch)
-                    return "ended"
-                continue  # cancelled meanwhile: the next check sees it
-            await self._run_chunk(batch, rows)
-        await self._finish_seated(batch)
-        await sync_to_async(batch.release_claim)()
+            if rows:
+                await self._run_chunk(batch, rows, leading)
+                continue
+            left = await sync_to_async(self._rows_left)(batch)
+            if left == "claimable":
+                continue  # another replica took the rows we chose: choose again
+            if not leading:
+                return "ended"  # what is left is being run by the others
+            if left == "claimed":
+                # Helpers are running the last rows: their chunks land soon; then we finalize.
+                await self.worker.nap(min(settings.BATCH_WAIT_POLL_S, HELPERS_POLL_S))
+                continue
+            if await sync_to_async(batch.start_finalizing)():
+                await events.apublish(batch)
+                await self._assemble(batch)
+                return "ended"
+            # cancelled meanwhile: the next check sees it
+        await self._finish_seated(batch, leading)
+        if leading:
+            await sync_to_async(batch.release_claim)()
         return "stopped"
 
-    def _before_chunk(self, batch):
+    def _rows_left(self, batch):
+        """"claimable" (rows nobody runs), "claimed" (rows only other engines run) or "none"."""
+        if batch.rows.claimable(self.worker.engine_id).exists():
+            return "claimable"
+        return "claimed" if batch.rows.unrecorded().exists() else "none"
+
+    def _report_work(self, batch, leading):
+        self.worker.batch_work = {"batch": batch.pk, "role": "leader" if leading else "helper", "rows_run": self.rows_run}
+
+    def _before_chunk(self, batch, leading=True):
         """Cancelled? expired? model resident? weights clean? lease held? Record the waiting
-        reason if not."""
+        reason if not (the leader; a helper stops helping)."""
         close_old_connections()
         batch.refresh_from_db()
+        if not leading:
+            return self._before_helping(batch)
         if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
             raise FencedOut(batch.pk)
         if batch.status == Batch.Status.CANCELLING:
@@ -247,15 +309,30 @@ class BatchRunner:
             return "wait"
         return "run"
 
+    def _before_helping(self, batch):
+        """A helper's check before each chunk: the leader still holds the batch ("release" when it
+        let go: the batch is ours to lead at the next claim), the batch runs and no end was
+        asked for, our resident model is its model with clean weights, and the lease the leader
+        runs it under is live ("wait" otherwise: the leader records why)."""
+        if batch.claimed_by is None:
+            return "release"
+        runtime = self.worker.runtime
+        if (batch.status != Batch.Status.IN_PROGRESS or batch.end_status or timezone.now() >= batch.expires_at
+                or runtime is None or runtime.model_id != batch.model or self.worker.weights_torn
+                or not leasing.is_held(batch)):
+            return "wait"
+        return "run"
+
     def _next_chunk(self, batch):
         """The rows the next chunk runs (PendingRows), in one query: probe-score and generation
         rows one at a time; scoring and embedding rows BATCH_CHUNK_ROWS at a time, or packs when
         packing."""
+        claimable = batch.rows.claimable(self.worker.engine_id)
         if batch.endpoint == PROBE_SCORE:
-            return self._take(batch.endpoint, batch.rows.unrecorded()[:1])
+            return self._take(batch.endpoint, claimable[:1])
         packed = batch.pack and batch.endpoint in PACKABLE_ENDPOINTS
         size = (batch.pack_window or settings.BATCH_PACK_MAX_ROWS) if packed else settings.BATCH_CHUNK_ROWS
-        window = list(batch.rows.unrecorded()[:size])
+        window = list(claimable[:size])
         if window and batch.endpoint in GENERATION_ENDPOINTS and self._pending(batch.endpoint, window[0]).generates:
             return self._take(batch.endpoint, window[:1])
         if not (packed and batch.pack_window):
@@ -274,9 +351,17 @@ class BatchRunner:
         return self.parsed[row.pk]
 
     def _take(self, endpoint, rows):
-        """`rows` run now: parsed (once), and out of the memos of rows still waiting."""
-        taken = [self._pending(endpoint, row) for row in rows]
+        """`rows` run now: claimed (those another replica claimed first are left out), parsed
+        (once), and out of the memos of rows still waiting."""
+        chosen = list(rows)
+        rows = BatchRow.objects.claim(chosen, self.worker.engine_id)
+        taken = []
         for row in rows:
+            # The claimed instance carries the claim's token, which its record is fenced by; a
+            # row parsed earlier keeps only its parsed body.
+            parsed = self.parsed.get(row.pk)
+            taken.append(PendingRow(row, parsed.parsed) if parsed else PendingRow.of(endpoint, row))
+        for row in chosen:  # run now, or another replica's: out of the memos either way
             self.parsed.pop(row.pk, None)
             self.lengths.pop(row.pk, None)
         return taken
@@ -284,7 +369,7 @@ class BatchRunner:
     def _length(self, pending):
         return 0 if pending.refused else packing.sequence_length(self.worker.runtime, pending.parsed)
 
-    async def _run_chunk(self, batch, rows):
+    async def _run_chunk(self, batch, rows, leading=True):
         seating = self.worker.seating
         probes = None
         if batch.endpoint == PROBE_SCORE:
@@ -293,14 +378,22 @@ class BatchRunner:
             batch.model, execute_rows, batch.endpoint, rows, probes, batch.pack, seating.give_way
         )
         if results is NOT_RUN:
-            return  # a swap or a weights edit took the slot first: the next check makes the batch wait
-        await self._record(batch, results)
+            results = []  # a swap or a weights edit took the slot first: the next check makes the batch wait
+        if results:
+            await self._record(batch, results, leading)
+        if len(results) < len(rows):  # the chunk gave way to a chat: the rest is anyone's again
+            ran = {result.row.pk for result in results}
+            await sync_to_async(BatchRow.objects.release_claims)(
+                self.worker.engine_id, [pending.row for pending in rows if pending.row.pk not in ran]
+            )
 
-    async def _record(self, batch, results):
+    async def _record(self, batch, results, leading=True):
         if settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S:
             await asyncio.sleep(settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S)  # tests kill the engine here
         self.chunks += 1
-        await sync_to_async(batch.record_chunk)(results, self.chunks)
+        await sync_to_async(batch.record_chunk)(results, self.chunks, self.worker.engine_id, leading)
+        self.rows_run += len(results)
+        self._report_work(batch, leading)
         await self.on_progress(batch)
 
     # --- batched decoding: generation rows in seats of their own ---
@@ -316,13 +409,13 @@ class BatchRunner:
         if room <= 0:
             return []
         rows = []
-        for row in batch.rows.unrecorded().exclude(pk__in=list(self.seated))[:room]:
+        for row in batch.rows.claimable(self.worker.engine_id).exclude(pk__in=list(self.seated))[:room]:
             if not self._pending(batch.endpoint, row).generates:
                 break
             rows.append(row)
         return self._take(batch.endpoint, rows)
 
-    async def _run_seated(self, batch, rows):
+    async def _run_seated(self, batch, rows, leading=True):
         """Start `rows` (PendingRows), each in a background seat; wait until one or more of the
         rows in flight is done (or a second passes), and record those in one fenced transaction."""
         seating = self.worker.seating
@@ -331,20 +424,24 @@ class BatchRunner:
                 seating.seated(batch.model, execute_rows, batch.endpoint, [pending])
             )
         done, _ = await asyncio.wait(set(self.seated.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-        results = []
+        results, not_run = [], []
         for pk, task in list(self.seated.items()):
             if task in done:
                 del self.seated[pk]
                 outcome = task.result()  # a failure inside is a row's ApiError already; others propagate
-                if outcome is not NOT_RUN:
+                if outcome is NOT_RUN:
+                    not_run.append(pk)
+                else:
                     results.extend(outcome)
         if results:
-            await self._record(batch, results)
+            await self._record(batch, results, leading)
+        if not_run:
+            await sync_to_async(BatchRow.objects.filter(pk__in=not_run).release_claims)(self.worker.engine_id)
 
-    async def _finish_seated(self, batch):
+    async def _finish_seated(self, batch, leading=True):
         """A stop: the rows in flight finish and are recorded; no new row starts."""
         while self.seated:
-            await self._run_seated(batch, [])
+            await self._run_seated(batch, [], leading)
 
     async def _abandon_seated(self):
         """The batch ends or must wait: rows in flight stop at their next step, unrecorded (a
@@ -414,6 +511,9 @@ class BatchRunner:
         for batch in Batch.objects.note_why_waiting():
             events.publish(batch)
         Batch.objects.expire_waiting()
+        self._report_backlog()
+
+    def _report_backlog(self):
         runtime = self.worker.runtime
         backlog = None  # unknown without a resident model: null, never a fake 0
         if runtime is not None:

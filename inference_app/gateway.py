@@ -7,7 +7,9 @@ hanging until MILLM_REQUEST_TIMEOUT_S.
 """
 
 import asyncio
+import collections
 import functools
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,9 +85,27 @@ def engine_to_load(model_id, engine_id=None):
 
 
 def _serving_or_loading(model_id, engines):
-    return next((e for e in engines if e.resident_model_id == model_id), None) or next(
-        (e for e in engines if e.loading_model_id == model_id), None
-    )
+    """The engine for a request to `model_id`: of its live replicas with it resident, the one with
+    the least work; else one loading it."""
+    serving = [e for e in engines if e.resident_model_id == model_id]
+    if serving:
+        return least_busy(serving)
+    return next((e for e in engines if e.loading_model_id == model_id), None)
+
+
+# Requests this web process has in flight to each engine (by id): always fresh, where an engine's
+# own figures are as old as its last heartbeat (up to ENGINE_HEARTBEAT_S). A burst of requests
+# spreads over the replicas at once instead of all going to whichever looked idle last.
+_in_flight = collections.Counter()
+
+
+def least_busy(engines):
+    """Of a model's replicas, the one with the least work: its queue and the requests it runs (its
+    heartbeat's figures) plus this process's requests in flight to it; ties at random."""
+    def work(engine):
+        return engine.queue_waiting + engine.in_flight + _in_flight[engine.pk], random.random()
+
+    return min(engines, key=work)
 
 
 def autoload_candidate(model_id, engines):
@@ -152,12 +172,32 @@ class Forwarded:
             **(extra or {}),
         }
         self.reply = None
-        self.finished = False
+        self._finished = False
+        self._counted = False
+
+    @property
+    def finished(self):
+        return self._finished
+
+    @finished.setter
+    def finished(self, value):
+        self._finished = value
+        if value and self._counted:
+            self._counted = False
+            _in_flight[self.engine.pk] -= 1
+            if _in_flight[self.engine.pk] <= 0:
+                del _in_flight[self.engine.pk]
 
     async def send(self):
         self.reply = await self.layer.new_channel()
         self.message["reply"] = self.reply
-        await self.layer.send(self.engine.channel, self.message)
+        _in_flight[self.engine.pk] += 1
+        self._counted = True
+        try:
+            await self.layer.send(self.engine.channel, self.message)
+        except BaseException:
+            self.finished = True
+            raise
 
     async def next_message(self):
         """The next message on the reply channel, or the 503/504 that replaces it.

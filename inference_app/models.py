@@ -225,6 +225,15 @@ class EngineQuerySet(models.QuerySet):
     def active(self):
         return self.filter(role=Engine.Role.ACTIVE)
 
+    def running(self):
+        """Live and active: the engines that may hold a batch's or a row's claim. A standby, a
+        row demoted for a lost seat and a silent process hold none."""
+        return self.live().active()
+
+    def replicas(self, model_id):
+        """The running engines started for `model_id` (its replicas, SPEC 10c)."""
+        return self.running().filter(model_id=model_id)
+
     def serving(self, model_id):
         """The live active engine whose resident model is `model_id`, if any."""
         return self.live().active().filter(resident_model_id=model_id).order_by("-heartbeat_at").first()
@@ -245,17 +254,31 @@ class EngineQuerySet(models.QuerySet):
             queue_max_pending=max_pending,
         )
 
-    def take_over(self, engine_id, model_id):
-        """`engine_id` holds `model_id`'s advisory lock: it is the model's active engine.
+    def take_over(self, engine_id, model_id, seat=0):
+        """`engine_id` holds the advisory lock of `model_id`'s `seat`: it is an active engine.
 
-        Holding the lock, another row active for this model is a dead process (or one that lost
-        the lock and is stopping): it serves nothing from now on, whatever its last heartbeat
-        says, and requests are not routed to it while it goes stale.
+        Holding the lock, another row active on this seat (or a row from before seats) is a dead
+        process (or one that lost the lock and is stopping): it serves nothing from now on,
+        whatever its last heartbeat says, and requests are not routed to it while it goes stale.
         """
-        self.filter(model_id=model_id, role=Engine.Role.ACTIVE).exclude(pk=engine_id).update(
+        self.demote(self.filter(model_id=model_id).filter(models.Q(seat=seat) | models.Q(seat__isnull=True))
+                    .exclude(pk=engine_id))
+        self.filter(pk=engine_id).update(role=Engine.Role.ACTIVE, seat=seat, heartbeat_at=timezone.now())
+
+    def demote(self, rows):
+        return rows.filter(role=Engine.Role.ACTIVE).update(
             role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
         )
-        self.filter(pk=engine_id).update(role=Engine.Role.ACTIVE, heartbeat_at=timezone.now())
+
+    def demote_seatless(self, model_id, engine_id, held_keys, key_of):
+        """Active rows of `model_id` (not `engine_id`) whose seat's lock nobody holds: their process
+        died (PostgreSQL frees a session's locks when it ends). Demoted at once, long before their
+        heartbeat goes stale; returns their ids. `key_of(model_id, seat)`: the seat's lock key."""
+        dead = [pk for pk, seat in self.live().active().filter(model_id=model_id, seat__isnull=False)
+                .exclude(pk=engine_id).values_list("pk", "seat") if key_of(model_id, seat) not in held_keys]
+        if dead:
+            self.demote(self.filter(pk__in=dead))
+        return dead
 
     def report_heartbeat(self, engine_id, **figures):
         """Write the heartbeat and queue figures; False when the row is gone (deleted by an
@@ -320,6 +343,8 @@ class Engine(models.Model):
     queue_waits_total = models.BigIntegerField(default=0, help_text="Interactive requests granted a seat.")
     queue_wait_seconds_total = models.FloatField(default=0.0, help_text="The seconds they waited for it, in all.")
     batch_backlog_rows = models.BigIntegerField(null=True, blank=True)
+    seat = models.PositiveIntegerField(null=True, blank=True, help_text="Its model's replica seat, while active (SPEC 10c).")
+    batch_work = models.JSONField(null=True, blank=True, help_text="The batch it runs rows of: {batch, role, rows_run}.")
 
     objects = EngineQuerySet.as_manager()
 
@@ -343,6 +368,11 @@ class Engine(models.Model):
             resident_model=self.resident_model_id,
             loading_model=self.loading_model_id,
             weights=self.weights_state,
+            seat=self.seat,
+            queue_waiting=self.queue_waiting,
+            in_flight=self.in_flight,
+            sequences_running=self.sequences_running,
+            batch_work=self.batch_work,
         )
 
 
@@ -369,12 +399,23 @@ class LeaseQuerySet(OwnedQuerySet):
     def end_all(self, reason, **filters):
         return self.filter(ended_at__isnull=True, **filters).update(ended_at=timezone.now(), end_reason=reason)
 
-    def forget_on_restart(self, model_id):
+    def forget_on_restart(self, model_id, engine_id):
         """An engine's start-up ends every lease on its model and every lease of an engine no
-        longer live: they are deleted, so a renew answers 404 lease_not_found."""
+        longer live: they are deleted, so a renew answers 404 lease_not_found. A model another
+        running replica serves keeps its leases: a lease binds all its replicas (SPEC 10c), and
+        one replica's restart is not the model's."""
+        served = set(Engine.objects.running().exclude(pk=engine_id).exclude(resident_model_id=None)
+                     .values_list("resident_model_id", flat=True))
         live = list(Engine.objects.live().values_list("pk", flat=True))
-        self.filter(model_id=model_id).delete()
-        self.exclude(engine_id__in=live).delete()
+        if model_id not in served:
+            self.filter(model_id=model_id).delete()
+        self.exclude(engine_id__in=live).exclude(model_id__in=served).delete()
+
+    def end_unless_served(self, reason, model_id, engine_id):
+        """`engine_id` stops serving `model_id`: its leases end, unless another running replica
+        still serves it."""
+        if not Engine.objects.running().exclude(pk=engine_id).filter(resident_model_id=model_id).exists():
+            self.end_all(reason, model_id=model_id)
 
     def follow_rename(self, model_id, renamed_to):
         """A save renamed the resident weights: the live leases on them follow. Only live ones:
@@ -413,9 +454,12 @@ class Lease(models.Model):
         """Returns (lease, its id) or (the live lease that blocks, None). The lease is `project`'s;
         a live lease blocks whichever project holds it.
 
-        The engine row is locked so two callers cannot both see "no live lease" and both take one.
+        The model's catalogue row is locked so two callers cannot both see "no live lease" and
+        both take one, whichever of the model's replicas each reached; the engine's row too, for a
+        model not (yet) in the catalogue.
         """
         with transaction.atomic():
+            ModelEntry.objects.select_for_update().filter(pk=model_id).first()
             Engine.objects.select_for_update().filter(pk=engine.pk).first()
             blocking = cls.objects.filter(engine_id=engine.pk).live().first() or cls.objects.on_model(model_id)
             if blocking is not None:

@@ -181,6 +181,15 @@ class LeaseStatus(Shape):
     seconds_remaining: int
 
 
+class BatchWork(Shape):
+    """The batch an engine runs rows of: as its leader (it holds the batch's claim) or a helper
+    (a replica running chunks of a batch another replica leads, SPEC 10c)."""
+
+    batch: str
+    role: Literal["leader", "helper"]
+    rows_run: int
+
+
 class EngineHealth(Shape):
     id: str
     alive: bool
@@ -190,6 +199,11 @@ class EngineHealth(Shape):
     resident_model: str | None
     loading_model: str | None
     weights: WeightsFlag
+    seat: int | None
+    queue_waiting: int
+    in_flight: int
+    sequences_running: int
+    batch_work: BatchWork | None
 
 
 class InferenceHealth(Shape):

@@ -146,6 +146,9 @@ MAX_PENDING_REQUESTS = envint("MAX_PENDING_REQUESTS", 10, minimum=1)
 # Generation sequences decoding together (SPEC 8a); 1 is the seed's one-at-a-time engine. On a GPU
 # the KV cache, not compute, bounds it: 32-64 for a 7B model on 80 GB.
 ENGINE_MAX_SEQUENCES = envint("ENGINE_MAX_SEQUENCES", 16, minimum=1, maximum=1024)
+# Engines of one model active at once (SPEC 10c), one advisory-lock seat each; 1 is one active
+# engine per model and standbys, as before replicas.
+ENGINE_MAX_REPLICAS = envint("ENGINE_MAX_REPLICAS", 1, minimum=1, maximum=64)
 # Prompt tokens prefilled per step boundary (at least one sequence joins whatever its length):
 # a long prompt joining does not stall every live sequence for several prompts' prefills.
 ENGINE_PREFILL_TOKENS_PER_STEP = envint("ENGINE_PREFILL_TOKENS_PER_STEP", 2048, minimum=1)

@@ -1,5 +1,7 @@
-"""The engine's presence: its `Engine` row (registration, heartbeat figures, removal) and the
-model's PostgreSQL advisory lock, which makes one engine per model the active one.
+"""The engine's presence: its `Engine` row (registration, heartbeat figures, removal) and its
+model's PostgreSQL advisory locks, one per replica seat (`ENGINE_MAX_REPLICAS`, SPEC 10c): the
+engine holding a seat is active, the others are standbys that take the first seat a dead
+replica frees.
 
 Small sync methods (register, try_become_active, still_active, activate, heartbeat, unregister)
 touch the database and return plain values, so tests call them without processes.
@@ -27,9 +29,23 @@ from millm_lib.db import conninfo
 log = logging.getLogger("millm.engine")
 
 
-def advisory_key(model_id):
-    """A stable signed 64-bit key for the model's PostgreSQL advisory lock."""
-    return int.from_bytes(hashlib.sha256(f"millm-engine:{model_id}".encode()).digest()[:8], "big", signed=True)
+def advisory_key(model_id, seat=0):
+    """A stable signed 64-bit key for the advisory lock of the model's `seat`; seat 0's is the
+    key of the one lock there was before replicas."""
+    name = f"millm-engine:{model_id}" if seat == 0 else f"millm-engine:{model_id}:seat-{seat}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+
+
+# The advisory locks held in this database, as (classid << 32 | objid): PostgreSQL splits a
+# bigint key into its high and low 32 bits.
+HELD_KEYS = (
+    "SELECT (classid::bigint << 32) | objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    "AND objsubid = 1 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def unsigned(key):
+    return key & 0xFFFF_FFFF_FFFF_FFFF
 
 
 class Presence:
@@ -40,6 +56,7 @@ class Presence:
         self.worker = worker
         self.role = Engine.Role.STANDBY
         self.lost_lock = False
+        self.seat = None  # the seat whose lock we hold, once active
         self._lock_connection = None
 
     def register(self):
@@ -50,7 +67,8 @@ class Presence:
         )
 
     def try_become_active(self):
-        """Take the model's advisory lock on a connection held for the engine's lifetime.
+        """Take a seat of the model: the first of its ENGINE_MAX_REPLICAS advisory locks that is
+        free, on a connection held for the engine's lifetime.
 
         A session-level lock: PostgreSQL releases it when this process dies, which is how a
         standby learns it may take over. While PostgreSQL is unreachable (a restart cut the
@@ -63,17 +81,43 @@ class Presence:
             return False
 
     def _take_lock(self):
-        """True if the lock is ours; raises psycopg.Error when PostgreSQL cannot be reached."""
+        """True if a seat is ours (our own first, if we had one); raises psycopg.Error when
+        PostgreSQL cannot be reached."""
+        seats = list(range(settings.ENGINE_MAX_REPLICAS))
+        if self.seat in seats:
+            seats.remove(self.seat)
+            seats.insert(0, self.seat)
         try:
             if self._lock_connection is None:
                 self._lock_connection = psycopg.connect(conninfo(), autocommit=True, connect_timeout=5)
-            row = self._lock_connection.execute(
-                "SELECT pg_try_advisory_lock(%s)", [advisory_key(self.worker.source.model_id)]
-            ).fetchone()
-            return bool(row[0])
+            for seat in seats:
+                row = self._lock_connection.execute(
+                    "SELECT pg_try_advisory_lock(%s)", [advisory_key(self.worker.source.model_id, seat)]
+                ).fetchone()
+                if row[0]:
+                    self.seat = seat
+                    return True
+            return False
         except psycopg.Error:
             self._drop_lock_connection()
             raise
+
+    def notice_dead_replicas(self):
+        """Demote the active rows of our model whose seat nobody holds (their process died):
+        web stops routing to them at once and the batch runner's sweep frees their claims."""
+        if self._lock_connection is None or settings.ENGINE_MAX_REPLICAS == 1:
+            return []  # with one seat, the standby that takes it demotes the dead row (take_over)
+        try:
+            held = {unsigned(row[0]) for row in self._lock_connection.execute(HELD_KEYS).fetchall()}
+        except psycopg.Error:
+            return []  # PostgreSQL is away: the next heartbeat's still_active connects again
+        dead = Engine.objects.demote_seatless(
+            self.worker.source.model_id, self.worker.engine_id, held, lambda model, seat: unsigned(advisory_key(model, seat))
+        )
+        for engine_id in dead:
+            log.warning("replica %s of %s lost its seat (its process is gone): its work is freed", engine_id,
+                        self.worker.source.model_id)
+        return dead
 
     def still_active(self):
         """An active engine's check at every heartbeat: do we still hold the model's lock?
@@ -96,7 +140,8 @@ class Presence:
         except psycopg.Error:
             return True  # PostgreSQL is still down: no other engine can take the lock meanwhile
         if held:
-            log.info("engine %s holds the lock of %s again", self.worker.engine_id, model_id)
+            log.info("engine %s holds the lock of %s again (seat %d)", self.worker.engine_id, model_id, self.seat)
+            Engine.objects.take_over(self.worker.engine_id, model_id, self.seat)
         return held
 
     def _drop_lock_connection(self):
@@ -111,10 +156,10 @@ class Presence:
         """Start-up, once the advisory lock is ours: end the leases a restart ends, and correct
         the catalogue states a dead engine left."""
         model_id = self.worker.source.model_id
-        Lease.objects.forget_on_restart(model_id)
+        Engine.objects.take_over(self.worker.engine_id, model_id, self.seat)
+        Lease.objects.forget_on_restart(model_id, self.worker.engine_id)
         ModelEntry.objects.release_unserved()
         self.role = Engine.Role.ACTIVE
-        Engine.objects.take_over(self.worker.engine_id, model_id)
 
     def heartbeat(self):
         worker = self.worker
@@ -132,6 +177,7 @@ class Presence:
             "queue_waits_total": worker.slot.waits,
             "queue_wait_seconds_total": worker.slot.wait_seconds,
             "estimated_wait_seconds": worker.slot.estimated_wait_seconds(),
+            "batch_work": worker.batch_work,
         }
         if not Engine.objects.report_heartbeat(worker.engine_id, **figures):
             self.register()
@@ -157,6 +203,8 @@ class Presence:
                     self.lost_lock = True
                     worker.stopping.set()
                 await sync_to_async(self.heartbeat)()
+                if self.role == Engine.Role.ACTIVE:
+                    await sync_to_async(self.notice_dead_replicas)()
             except Exception:
                 log.exception("heartbeat failed; retrying")
             await asyncio.sleep(settings.ENGINE_HEARTBEAT_S)

@@ -116,7 +116,7 @@ class Residency:
             import torch
 
             torch.cuda.empty_cache()
-        Lease.objects.end_all(reason, model_id=model_id)
+        Lease.objects.end_unless_served(reason, model_id, engine_id)
         Engine.objects.set_resident(engine_id, None)
         ModelEntry.objects.release_unless_served(model_id, engine_id)
 
@@ -197,6 +197,21 @@ class Residency:
         finally:
             connection.close()  # this thread's connection; the DB thread keeps its own
 
+    def refuse_if_replicated(self, action):
+        """409 model_replicated while another replica of our model runs (SPEC 10c): a load, an
+        unload or a weights edit would change this replica and not the others, and the model's
+        requests and batch rows would be answered by two sets of weights."""
+        model_id = self.worker.source.model_id
+        others = Engine.objects.replicas(model_id).exclude(pk=self.worker.engine_id).count()
+        if others:
+            raise ApiError(
+                409, "model_replicated",
+                f"The model '{model_id}' runs on {others + 1} replicas (ENGINE_MAX_REPLICAS="
+                f"{settings.ENGINE_MAX_REPLICAS}); {action} is refused while more than one replica is active, "
+                f"as it would change one replica and not the others. Stop the other replicas first",
+                details={"field": "model", "replicas": others + 1},
+            )
+
     async def control(self, message):
         """A load or unload from the management routes: checked, acknowledged, then run."""
         layer = get_channel_layer()
@@ -207,6 +222,7 @@ class Residency:
                 raise model_not_found(target, f"The model '{target}' is not in the catalogue")
             if target != current:
                 action = "loading another model" if target else "unloading it"
+                await sync_to_async(self.refuse_if_replicated)(action)
                 await sync_to_async(check_lease_allows)(current, message.get("lease"), action, message.get("project"))
         except ApiError as error:
             await send_to(layer, message["reply"], {"type": "error", "error": error.to_wire()})
@@ -231,6 +247,7 @@ class Residency:
                 current = self.runtime.model_id if self.runtime else None
                 if current != model_id:
                     raise model_not_resident(model_id, current)
+                await sync_to_async(self.refuse_if_replicated)(WEIGHT_ACTIONS[op])
                 await sync_to_async(check_lease_allows)(model_id, message.get("lease"), WEIGHT_ACTIONS[op],
                                                          message.get("project"))
                 async with self.worker.slot.hold(interactive=True, limited=False):

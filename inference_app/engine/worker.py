@@ -9,8 +9,8 @@
 Small sync methods (register, try_become_active, load, heartbeat, unregister) touch the
 database and return plain values, so tests call them on the Worker without processes; `serve()`
 is the asyncio loop. Companions (the batch runner) use only the Worker's face: `engine_id`,
-`source`, `runtime`, `weights_torn`, `seating`, `stopping`, `nap()`, `wake()`,
-`probes_for()`.
+`source`, `seat`, `runtime`, `weights_torn`, `seating`, `stopping`, `nap()`, `wake()`,
+`probes_for()`, and they report in `batch_work`.
 
 Threads: the event loop receives messages and schedules; database work runs in asgiref's one
 sync thread (sync_to_async); forward passes run in the seating's model thread (the whole
@@ -55,6 +55,8 @@ class Worker:
         self.seating = Seating(self.residency)
         self.slot = self.seating.slot
         self.serving = Serving(self)
+        # What the batch runner is doing, for the heartbeat: {batch, role, rows_run} or None.
+        self.batch_work = None
         self.companions = [factory(self) for factory in companions]
 
     # --- the rooms' state and steps, as the runner and tests see them ---
@@ -62,6 +64,11 @@ class Worker:
     @property
     def runtime(self):
         return self.residency.runtime
+
+    @property
+    def seat(self):
+        """Our model's replica seat (0 until we hold one, as with one replica)."""
+        return self.presence.seat or 0
 
     @property
     def weights_torn(self):

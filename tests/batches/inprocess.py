@@ -11,7 +11,7 @@ import time
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from batches_app.models import Batch
+from batches_app.models import Batch, BatchRow
 from batches_app.runner import PendingRow, execute_rows
 
 ENDED = (Batch.Status.COMPLETED, Batch.Status.FAILED, Batch.Status.EXPIRED, Batch.Status.CANCELLED)
@@ -73,8 +73,9 @@ def batch_is(batch_id, status=None, waiting_reason=None):
 def run_and_record(batch, runtime, rows, chunk=1):
     """What a runner does with a chunk, without the runner: `rows` run through the service
     functions (`execute_rows`, as in the model thread) and recorded under `batch`'s claim."""
+    rows = BatchRow.objects.claim(list(rows), batch.claimed_by)
     results = execute_rows(runtime, batch.endpoint, [PendingRow.of(batch.endpoint, row) for row in rows])
-    batch.record_chunk(results, chunk)
+    batch.record_chunk(results, chunk, batch.claimed_by)
 
 
 def lines_of(file):
