@@ -47,7 +47,7 @@ engine: db
 test: install-extras chromium
 	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
-# Every benchmark part (about 28 minutes on 2 cores); it rewrites the README's results table and
+# Every benchmark part (about 30 minutes on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.
 bench: db install-extras
 	$(PY) -m bench $(PARTS)

@@ -106,7 +106,7 @@ def hold(batch, engine_id, ttl_seconds):
             lease.renew()
         return True
     live = Lease.objects.on_model(batch.model)
-    if live is not None and is_batch_lease(live):
+    if live is not None and is_batch_lease(live) and not led_by_a_running_engine(live):
         # Left by a batch that ended without releasing (a crash): batches queue, they do
         # not block each other.
         Lease.objects.end_all("superseded by another batch", pk=live.pk)
@@ -119,6 +119,15 @@ def hold(batch, engine_id, ttl_seconds):
         return False
     batch.take_own_lease(held)
     return True
+
+
+def led_by_a_running_engine(lease):
+    """The batch a batch lease was taken for is running, led by a running engine (another
+    replica's leader, SPEC 10c): its lease is no crash's leftover, and this batch waits."""
+    from batches_app.models import Batch  # models imports this module
+
+    return Batch.objects.filter(pk=lease.holder.removeprefix(HOLDER_PREFIX), status=Batch.Status.IN_PROGRESS,
+                                claimed_by__in=Engine.objects.running().values("pk")).exists()
 
 
 def is_held(batch):

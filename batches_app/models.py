@@ -69,18 +69,23 @@ class BatchQuerySet(OwnedQuerySet):
             runnable |= Q(status=Batch.Status.IN_PROGRESS, model=resident_model_id)
         return self.filter(runnable)
 
-    def to_help(self, resident_model_id, engine_id):
-        """Batches of `resident_model_id` that another running replica leads and that have rows
-        nobody runs: `engine_id` may run chunks of them (SPEC 10c), oldest first."""
-        unclaimed_rows = BatchRow.objects.filter(batch=OuterRef("pk"), outcome=BatchRow.Outcome.PENDING,
-                                                 claimed_by__isnull=True)
+    def led_elsewhere(self, resident_model_id, engine_id):
+        """Batches of `resident_model_id` whose rows run, led by another running replica, oldest
+        first."""
         return (
             self.filter(status=Batch.Status.IN_PROGRESS, end_status__isnull=True, model=resident_model_id,
                         claimed_by__in=_running_engines())
             .exclude(claimed_by=engine_id)
-            .filter(Exists(unclaimed_rows))
             .order_by("created_at", "id")
         )
+
+    def to_help(self, resident_model_id, engine_id):
+        """Batches another running replica leads with rows that nobody runs, or that `engine_id`
+        claimed and has not run (a release that failed): `engine_id` may run chunks of them
+        (SPEC 10c), oldest first."""
+        free_rows = BatchRow.objects.filter(batch=OuterRef("pk"), outcome=BatchRow.Outcome.PENDING).filter(
+            Q(claimed_by__isnull=True) | Q(claimed_by=engine_id))
+        return self.led_elsewhere(resident_model_id, engine_id).filter(Exists(free_rows))
 
     def waiting(self):
         """In progress, unclaimed and not ending: rows waiting for an engine to run them."""
@@ -115,7 +120,7 @@ class BatchQuerySet(OwnedQuerySet):
         Claims of engines that held our seat of our model (or came before seats) are dead: we
         hold that seat's advisory lock, which PostgreSQL gave us only once the previous holder's
         process was gone (its heartbeat may still look fresh). Engines whose heartbeat is stale,
-        or whose seat another replica saw free (`Engine.objects.demote_seatless`), are dead too.
+        or whose seat another replica saw free (`Presence.notice_dead_replicas`), are dead too.
         Released batches are picked up again by status: validating validates again; in_progress
         resumes at its first unrecorded row; finalizing assembles again; cancelling ends cancelled.
         """

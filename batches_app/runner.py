@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
@@ -40,7 +41,7 @@ from projects_app.models import Project
 log = logging.getLogger("millm.batches")
 
 PROGRESS_LOG_S = 5.0
-HELPERS_POLL_S = 0.5  # a leader waiting for its helpers' last chunks looks this often
+HELPERS_POLL_S = 0.1  # a leader waiting for its helpers' last chunks looks this often
 
 
 def reconcile_batches(engine_id, model_id, seat=0):
@@ -115,9 +116,28 @@ class BatchRunner:
                 resident = self.worker.runtime.model_id if self.worker.runtime else None
                 await asyncio.to_thread(self._validate_in_thread, batch, resident)
                 self.worker.wake()  # its rows may run now: the run loop need not finish its nap
+                await self._wake_replicas(batch)
             except Exception:
                 log.exception("validation failed; retrying")
                 await self.worker.nap(settings.BATCH_WAIT_POLL_S)
+
+    async def _wake_replicas(self, batch):
+        """The other running engines with the batch's model resident look at it now, not at their
+        next poll (BATCH_WAIT_POLL_S): each replica helps from its first chunk (SPEC 10c)."""
+        channels = await sync_to_async(self._replica_channels)(batch)
+        layer = get_channel_layer()
+        for channel in channels:
+            try:
+                await layer.send(channel, {"type": "wake"})
+            except Exception:
+                log.debug("could not wake %s; it polls anyway", channel, exc_info=True)
+
+    def _replica_channels(self, batch):
+        model = Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS).values_list("model", flat=True).first()
+        if model is None:
+            return []
+        return list(Engine.objects.running().filter(resident_model_id=model).exclude(pk=self.worker.engine_id)
+                    .values_list("channel", flat=True))
 
     def _validate_in_thread(self, batch, resident):
         try:
@@ -174,16 +194,20 @@ class BatchRunner:
 
     def _claim_to_run(self):
         """(batch, leading): the oldest batch to end, or to run on the resident model. One that no
-        engine holds is claimed with a fresh fencing token and led; one that another replica leads
-        and that has rows nobody runs is helped, when no older batch waits for a leader (every
+        engine holds is claimed with a fresh fencing token and led, unless a batch as old or older
+        is led by another replica: then that one is helped while it has rows nobody runs (every
         replica works on the oldest batch first). (None, None) when there is nothing."""
         close_old_connections()
         engine_id = self.worker.engine_id
         runtime = self.worker.runtime
         model_id = runtime.model_id if runtime else None
-        helpable = Batch.objects.to_help(model_id, engine_id).first() if model_id else None
-        before = helpable.created_at if helpable else None
-        batch = Batch.objects.to_run(model_id).claim_oldest(engine_id, running_before=before)
+        helpable = led = None
+        if model_id:
+            helpable = Batch.objects.to_help(model_id, engine_id).first()
+            led = Batch.objects.led_elsewhere(model_id, engine_id).first()
+        # A batch led elsewhere comes first: a newer one led here would want the model's lease
+        # too, which the older one holds (one live lease per model).
+        batch = Batch.objects.to_run(model_id).claim_oldest(engine_id, running_before=led.created_at if led else None)
         if batch is not None:
             return batch, True
         return (helpable, False) if helpable is not None else (None, None)
@@ -226,6 +250,8 @@ class BatchRunner:
         self._report_work(batch, leading)
         # Its rows count in the backlog from now, not from the next sweep (up to BATCH_WAIT_POLL_S).
         await sync_to_async(self._report_backlog)()
+        if leading:
+            await self._wake_replicas(batch)  # it has a leader now: the others may help at once
         swept = time.monotonic()
         while not self.worker.stopping.is_set():
             if time.monotonic() - swept > settings.BATCH_WAIT_POLL_S:

@@ -24,12 +24,13 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency", "decoders", "cpu_levers", "retention"]
-RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "overhead",
-             "roundtrip", "memory", "packing", "decoders", "cpu_levers"]
+         "concurrency", "decoders", "cpu_levers", "retention", "replicas"]
+RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "replicas",
+             "overhead", "roundtrip", "memory", "packing", "decoders", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
-# it runs after the default model's stack is stopped and before the tiny one starts.
+# it runs after the default model's stack is stopped and before the tiny one starts; nor
+# replicas, which starts its own two stacks (one replica, then two) of the tiny model.
 STACK_MODEL = {"pipeline": "default", "interactive": "default", "interactive-batched": "default", "generation": "default",
                "retention": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
 # A part that is another part's module with other arguments (see sizes()), and its name in the table.
@@ -59,6 +60,7 @@ def sizes(part, quick, tiny):
             "decoders": ["--prompts", "16", "--max-tokens", "64"],
             "cpu_levers": ["--max-tokens", "64", "--repeats", "3"],
             "retention": ["--rows", "10000"],
+            "replicas": ["--rows", "240", "--max-tokens", "16", "--scoring-rows", "1200", "--repeats", "3"],
         }[part]
     model = ["--model", tiny]
     return {
@@ -75,6 +77,8 @@ def sizes(part, quick, tiny):
         "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
         "cpu_levers": ["--max-tokens", "4", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
         "retention": ["--rows", "20", *model],
+        "replicas": ["--rows", "8", "--max-tokens", "4", "--scoring-rows", "32", "--repeats", "1", "--wait-poll-s", "0.1",
+                     *model],
     }[part]
 
 

@@ -129,23 +129,24 @@ def autoload_candidate(model_id, engines):
 
 @on_db_pool
 def engine_with_resident_model(model_id=None):
-    """For probe scoring (which names no model): the engine serving `model_id`, or the only one."""
-    if model_id is not None:
-        engine = Engine.objects.serving(model_id)
-        if engine is None:
-            raise engine_unavailable(model_id)
-        return engine
+    """For probe scoring (which names no model): the least busy replica serving `model_id`, or of
+    the only model resident."""
     engines = [e for e in Engine.objects.live().active() if e.resident_model_id]
+    if model_id is not None:
+        engines = [e for e in engines if e.resident_model_id == model_id]
+        if not engines:
+            raise engine_unavailable(model_id)
+        return least_busy(engines)
     if not engines:
         raise model_not_loaded()
-    if len(engines) > 1:
+    if len({e.resident_model_id for e in engines}) > 1:
         raise ApiError(
             400,
             "invalid_probe_score_request",
             "Several engines have a resident model; name probe_ids to choose which model scores",
             details={"field": "probe_ids"},
         )
-    return engines[0]
+    return least_busy(engines)
 
 
 @on_db_pool
@@ -172,32 +173,23 @@ class Forwarded:
             **(extra or {}),
         }
         self.reply = None
-        self._finished = False
+        self.finished = False
         self._counted = False
-
-    @property
-    def finished(self):
-        return self._finished
-
-    @finished.setter
-    def finished(self, value):
-        self._finished = value
-        if value and self._counted:
-            self._counted = False
-            _in_flight[self.engine.pk] -= 1
-            if _in_flight[self.engine.pk] <= 0:
-                del _in_flight[self.engine.pk]
 
     async def send(self):
         self.reply = await self.layer.new_channel()
         self.message["reply"] = self.reply
         _in_flight[self.engine.pk] += 1
         self._counted = True
-        try:
-            await self.layer.send(self.engine.channel, self.message)
-        except BaseException:
-            self.finished = True
-            raise
+        await self.layer.send(self.engine.channel, self.message)
+
+    def uncount(self):
+        """The request is over for routing's count, however it ended (once)."""
+        if self._counted:
+            self._counted = False
+            _in_flight[self.engine.pk] -= 1
+            if _in_flight[self.engine.pk] <= 0:
+                del _in_flight[self.engine.pk]
 
     async def next_message(self):
         """The next message on the reply channel, or the 503/504 that replaces it.
@@ -244,6 +236,8 @@ async def call(engine, endpoint, raw_body, strict, request_id, extra=None):
     except asyncio.CancelledError:
         await asyncio.shield(forwarded.cancel())
         raise
+    finally:
+        forwarded.uncount()
     if message["type"] == "error":
         raise ApiError.from_wire(message["error"])
     return message["body"], message["headers"]
@@ -256,10 +250,15 @@ async def open_stream(engine, endpoint, raw_body, strict, request_id, extra=None
         await forwarded.send()
         first = await forwarded.next_message()
     except asyncio.CancelledError:
+        forwarded.uncount()
         await asyncio.shield(forwarded.cancel())
+        raise
+    except BaseException:
+        forwarded.uncount()
         raise
     if first["type"] == "error":
         forwarded.finished = True
+        forwarded.uncount()
         raise ApiError.from_wire(first["error"])
     return first["headers"], _stream_messages(forwarded)
 
@@ -275,6 +274,7 @@ async def _stream_messages(forwarded):
                 return
             yield message["data"]
     finally:
+        forwarded.uncount()
         if not forwarded.finished:
             await asyncio.shield(forwarded.cancel())
 
@@ -284,8 +284,11 @@ async def control(engine, message_type, request_id, **fields):
     A load or unload is acknowledged once checked and runs on in the background; a weights
     operation answers when done."""
     forwarded = Forwarded(engine, None, None, None, request_id, stream=False, extra={"type": message_type, **fields})
-    await forwarded.send()
-    message = await forwarded.next_message()
+    try:
+        await forwarded.send()
+        message = await forwarded.next_message()
+    finally:
+        forwarded.uncount()
     forwarded.finished = True
     if message["type"] == "error":
         raise ApiError.from_wire(message["error"])

@@ -270,15 +270,12 @@ class EngineQuerySet(models.QuerySet):
             role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
         )
 
-    def demote_seatless(self, model_id, engine_id, held_keys, key_of):
-        """Active rows of `model_id` (not `engine_id`) whose seat's lock nobody holds: their process
-        died (PostgreSQL frees a session's locks when it ends). Demoted at once, long before their
-        heartbeat goes stale; returns their ids. `key_of(model_id, seat)`: the seat's lock key."""
-        dead = [pk for pk, seat in self.live().active().filter(model_id=model_id, seat__isnull=False)
-                .exclude(pk=engine_id).values_list("pk", "seat") if key_of(model_id, seat) not in held_keys]
-        if dead:
-            self.demote(self.filter(pk__in=dead))
-        return dead
+    def seated_peers(self, model_id, engine_id):
+        """(id, seat) of the other live active replicas of `model_id`: the ones a replica checks
+        for a freed seat (PostgreSQL frees a dead session's lock at once, long before its
+        heartbeat goes stale)."""
+        return list(self.live().active().filter(model_id=model_id, seat__isnull=False).exclude(pk=engine_id)
+                    .values_list("pk", "seat"))
 
     def report_heartbeat(self, engine_id, **figures):
         """Write the heartbeat and queue figures; False when the row is gone (deleted by an

@@ -107,13 +107,18 @@ class Presence:
         web stops routing to them at once and the batch runner's sweep frees their claims."""
         if self._lock_connection is None or settings.ENGINE_MAX_REPLICAS == 1:
             return []  # with one seat, the standby that takes it demotes the dead row (take_over)
+        model_id = self.worker.source.model_id
+        # The rows first, then the locks: a replica that takes its seat and activates between the
+        # two reads is not in the rows read, and so is never taken for dead.
+        seated = Engine.objects.seated_peers(model_id, self.worker.engine_id)
+        if not seated:
+            return []
         try:
             held = {unsigned(row[0]) for row in self._lock_connection.execute(HELD_KEYS).fetchall()}
         except psycopg.Error:
             return []  # PostgreSQL is away: the next heartbeat's still_active connects again
-        dead = Engine.objects.demote_seatless(
-            self.worker.source.model_id, self.worker.engine_id, held, lambda model, seat: unsigned(advisory_key(model, seat))
-        )
+        dead = [engine_id for engine_id, seat in seated if unsigned(advisory_key(model_id, seat)) not in held]
+        Engine.objects.demote(Engine.objects.filter(pk__in=dead))
         for engine_id in dead:
             log.warning("replica %s of %s lost its seat (its process is gone): its work is freed", engine_id,
                         self.worker.source.model_id)
@@ -157,6 +162,7 @@ class Presence:
         the catalogue states a dead engine left."""
         model_id = self.worker.source.model_id
         Engine.objects.take_over(self.worker.engine_id, model_id, self.seat)
+        self.notice_dead_replicas()  # a replica killed with us looks live for ENGINE_STALE_S
         Lease.objects.forget_on_restart(model_id, self.worker.engine_id)
         ModelEntry.objects.release_unserved()
         self.role = Engine.Role.ACTIVE

@@ -10,6 +10,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from batches_app.models import Batch, BatchRow
+from inference_app.models import Lease
 from tests.batches.inprocess import ENDED, lines_of, scoring
 from tests.batches.test_runner_inprocess import running_batch
 
@@ -54,4 +55,20 @@ def test_two_replicas_share_one_batch_each_row_once_in_input_order(start_engine,
     assert all(count > 0 for count in per_engine.values()), per_engine
     assert sum(per_engine.values()) == rows
     assert [line["custom_id"] for line in lines_of(batch.output_file)] == [f"row-{n}" for n in range(1, rows + 1)]
-    assert not BatchRow.objects.filter(batch=batch, claimed_by__isnull=False).exists()
+
+
+def test_two_batches_of_one_model_run_oldest_first_and_neither_supersedes_the_others_lease(start_engine, settings):
+    settings.BATCH_CHUNK_ROWS = 2
+    settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S = 0.02
+    older = running_batch([scoring(f"Old {line}") for line in range(1, 21)])
+    newer = running_batch([scoring(f"New {line}") for line in range(1, 21)])
+    first, second = start_engine(), start_engine()
+    run_engines_until([first, second], lambda: Batch.objects.filter(pk__in=[older.pk, newer.pk], status__in=ENDED).count() == 2)
+    older.refresh_from_db()
+    newer.refresh_from_db()
+    assert older.status == newer.status == Batch.Status.COMPLETED
+    # One live lease per model: the newer batch waited for the older's, as with one engine; a
+    # leader never ended a lease another replica's batch still ran under.
+    assert not Lease.objects.filter(end_reason="superseded by another batch").exists()
+    assert older.completed_at <= newer.in_progress_at or older.completed_at <= min(
+        BatchRow.objects.filter(batch=newer).values_list("recorded_at", flat=True))

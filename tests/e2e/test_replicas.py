@@ -82,7 +82,7 @@ def test_two_replicas_each_run_part_of_one_batch_and_chats_spread_over_them(repl
     before = chats_granted(stack)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda i: client.chat.completions.create(
-            model=MODEL_ID, messages=[{"role": "user", "content": f"Hello {i}"}], max_tokens=24, temperature=0),
+            model=MODEL_ID, messages=[{"role": "user", "content": f"Hello {i}"}], max_tokens=48, temperature=0),
             range(8)))
     assert all(answer.choices[0].message.content is not None for answer in answers)
     time.sleep(1.5)  # the next heartbeats carry the counts
@@ -96,12 +96,12 @@ def test_three_replicas_each_run_part_of_one_batch(replicas):
     stack.replicas.append(stack.start_engine())
     wait_for_active(stack, 3)
     assert sorted(e["seat"] for e in active(stack)) == [0, 1, 2]
-    batch = start_batch(stack.client, scoring_lines(180), COMPLETIONS)
+    batch = start_batch(stack.client, scoring_lines(120), COMPLETIONS)
     done = wait_for(stack.client, batch.id, timeout=180)
     assert done.status == "completed"
     per_engine = rows_per_engine(stack, batch.id)
     assert len(per_engine) == 3 and min(per_engine.values()) > 0, per_engine
-    every_custom_id_once(stack, done, 180)
+    every_custom_id_once(stack, done, 120)
 
 
 class Chatter(threading.Thread):
@@ -186,7 +186,6 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     assert by_custom_id[f"row-{rows - 1}"] == final[rows]
     assert len(ids.first) > rows // 2
     wait_for_active(stack, 3)
-    assert not stack.sql("SELECT 1 FROM batches_app_batchrow WHERE batch_id = %s AND claimed_by IS NOT NULL", [batch.id])
 
 
 def active_pids(stack):

@@ -79,3 +79,18 @@ def test_no_answer_is_lost_while_the_gateway_checks_the_engine_heartbeat():
     with override_settings(ENGINE_STALE_S=0.001):
         answered = asyncio.run(exchange(engine, REQUESTS))
     assert answered == REQUESTS
+
+
+@pytest.mark.django_db
+def test_a_request_goes_to_the_replica_with_the_least_work_counting_this_process_own_requests():
+    from tests.factories import EngineFactory
+
+    busy = EngineFactory(resident_model_id="m", queue_waiting=3, in_flight=1)
+    idle = EngineFactory(resident_model_id="m")
+    quiet = EngineFactory(resident_model_id="m", in_flight=1)
+    assert gateway.least_busy([busy, idle, quiet]) == idle
+    gateway._in_flight[idle.pk] += 2  # this web process sent it two that the heartbeat has not shown yet
+    try:
+        assert gateway.least_busy([busy, idle, quiet]) == quiet
+    finally:
+        del gateway._in_flight[idle.pk]

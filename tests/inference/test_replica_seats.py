@@ -76,6 +76,9 @@ def test_activating_a_second_seat_leaves_the_first_replica_active(engines, setti
 @pytest.mark.django_db(transaction=True)
 def test_a_replica_whose_seat_is_free_is_demoted_at_the_next_heartbeat_of_another(engines, settings):
     first, second = two_active_replicas(engines, settings)
+    # Both alive: each sees the other's seat held (seat 0's key is negative as it happens, the
+    # other positive: both are read back from pg_locks as they were taken).
+    assert first.presence.notice_dead_replicas() == [] and second.presence.notice_dead_replicas() == []
     # The second's process dies: PostgreSQL ends its session, and so frees its seat's lock. Its
     # heartbeat still looks fresh for ENGINE_STALE_S.
     with connection.cursor() as cursor:
@@ -84,4 +87,3 @@ def test_a_replica_whose_seat_is_free_is_demoted_at_the_next_heartbeat_of_anothe
     assert first.presence.notice_dead_replicas() == [second.engine_id]
     assert Engine.objects.get(pk=second.engine_id).role == Engine.Role.STANDBY
     assert list(Engine.objects.replicas("tiny-replicated").values_list("pk", flat=True)) == [first.engine_id]
-    assert first.presence.notice_dead_replicas() == []  # a live replica is never demoted
