@@ -179,7 +179,8 @@ class BatchQuerySet(OwnedQuerySet):
 
 
 def _running_engines():
-    return list(Engine.objects.running().values_list("pk", flat=True))
+    """The running engines' ids, as a subquery of the statement that reads them."""
+    return Engine.objects.running().values("pk")
 
 
 class Batch(models.Model):

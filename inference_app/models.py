@@ -274,7 +274,7 @@ class EngineQuerySet(models.QuerySet):
         """(id, seat) of the other live active replicas of `model_id`: the ones a replica checks
         for a freed seat (PostgreSQL frees a dead session's lock at once, long before its
         heartbeat goes stale)."""
-        return list(self.live().active().filter(model_id=model_id, seat__isnull=False).exclude(pk=engine_id)
+        return list(self.running().filter(model_id=model_id, seat__isnull=False).exclude(pk=engine_id)
                     .values_list("pk", "seat"))
 
     def report_heartbeat(self, engine_id, **figures):

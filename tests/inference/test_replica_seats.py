@@ -10,7 +10,9 @@ from django.db import connection
 from inference_app.catalogue import model_source
 from inference_app.engine.presence import advisory_key
 from inference_app.engine.worker import Worker
-from inference_app.models import Engine
+from inference_app.models import Engine, Lease
+from millm_lib.ids import new_id
+from tests.factories import EngineFactory, LeaseFactory
 from tests.inference.test_worker import takes_the_lock_within
 
 
@@ -87,3 +89,18 @@ def test_a_replica_whose_seat_is_free_is_demoted_at_the_next_heartbeat_of_anothe
     assert first.presence.notice_dead_replicas() == [second.engine_id]
     assert Engine.objects.get(pk=second.engine_id).role == Engine.Role.STANDBY
     assert list(Engine.objects.replicas("tiny-replicated").values_list("pk", flat=True)) == [first.engine_id]
+
+
+@pytest.mark.django_db
+def test_a_replicas_restart_or_stop_keeps_the_models_leases_only_while_another_replica_serves_it():
+    peer = EngineFactory(model_id="m", resident_model_id="m")
+    restarted = LeaseFactory(model_id="m", engine_id=new_id("eng_"))  # taken through the replica that restarts
+    Lease.objects.forget_on_restart("m", "eng_restarting")
+    Lease.objects.end_unless_served("the engine stopped", "m", "eng_stopping")
+    kept = Lease.objects.get(pk=restarted.pk)
+    assert kept.live  # neither deleted by the restart nor ended by the stop: the peer serves the model
+    Engine.objects.demote(Engine.objects.filter(pk=peer.pk))  # the last replica is gone
+    Lease.objects.end_unless_served("the engine stopped", "m", "eng_stopping")
+    assert not Lease.objects.get(pk=restarted.pk).live
+    Lease.objects.forget_on_restart("m", "eng_restarting")
+    assert not Lease.objects.filter(pk=restarted.pk).exists()
