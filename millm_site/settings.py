@@ -36,13 +36,37 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # nosniff, the referrer policy, HSTS and the HTTPS redirect behind TLS, on every response.
+    "django.middleware.security.SecurityMiddleware",
     "millm_site.middleware.RequestIdMiddleware",
     "millm_site.middleware.ApiErrorMiddleware",
-    # Security, session, common, CSRF, auth and messages: for /admin/ only (the API uses none).
+    # Session, common, auth and messages: for /admin/ only (the API uses none).
     "millm_site.middleware.AdminMiddleware",
+    # The staff-session routes (the admin) need a CSRF token; every bearer-key route is exempt,
+    # as DRF exempts its views (tests/test_deploy_checks.py walks the routes).
+    "django.middleware.csrf.CsrfViewMiddleware",
     "millm_site.middleware.ApiKeyMiddleware",
     "millm_site.middleware.UrlGuardMiddleware",
+    # X-Frame-Options: DENY: the admin's buttons (cancel a batch, end a lease) cannot be framed.
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# Behind a proxy that terminates TLS (README, "Before production"): the proxy's
+# X-Forwarded-Proto says the request came over HTTPS; cookies go over HTTPS only; HSTS tells
+# browsers to use nothing else; plain HTTP is redirected, except the probes and the scrape that
+# orchestrators send to the pod itself.
+BEHIND_TLS = envbool("DJANGO_BEHIND_TLS", False)
+if BEHIND_TLS:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^api/health", r"^metrics$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = envint("DJANGO_HSTS_SECONDS", 31_536_000, minimum=0)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
+    SECURE_HSTS_PRELOAD = envbool("DJANGO_HSTS_PRELOAD", True)
+X_FRAME_OPTIONS = "DENY"
+CSRF_TRUSTED_ORIGINS = envlist("DJANGO_CSRF_TRUSTED_ORIGINS")
 
 # The admin's checks look for its middleware in MIDDLEWARE; AdminMiddleware runs them for it.
 SILENCED_SYSTEM_CHECKS = ["admin.E408", "admin.E409", "admin.E410"]
