@@ -8,10 +8,13 @@ class BatchesAppConfig(AppConfig):
 
     def ready(self):
         from batches_app.metrics import BatchCollector
+        from batches_app.models import BatchRow
         from batches_app.usage import usage
+        from inference_app import backlog
         from inference_app.metrics import register_collector
         from projects_app.admin import usage_readers
 
         register_collector(BatchCollector)
+        backlog.register(BatchRow.objects.backlog)  # health's batch_backlog_rows
         if usage not in usage_readers:
             usage_readers.append(usage)  # the project admin's use column

@@ -26,6 +26,12 @@ def _families():
             "millm_batch_rows_per_second", "Rows recorded per second since each running batch started running",
             labels=["batch", "model"],
         ),
+        "backlog": GaugeMetricFamily(
+            "millm_batch_backlog_rows",
+            "Valid rows not yet run of the active batches, by model and batch status (each row once, whichever "
+            "replicas serve its model; a validating batch's model is empty until validation names it)",
+            labels=["model", "status"],
+        ),
         "usage": GaugeMetricFamily(
             "millm_project_usage", "Each project's use of its quotas: active batches, rows queued in them, stored file bytes",
             labels=["project", "quota"],
@@ -54,6 +60,8 @@ class BatchCollector:
             "id", "model", "status", "completed", "failed", "in_progress_at")
         for batch in running:
             families["rate"].add_metric([batch.id, batch.model or ""], batch.rows_per_second(now))
+        for (model, status), rows in BatchRow.objects.backlog().items():
+            families["backlog"].add_metric([model, status], rows)
         for project, figures in usage_by_project().items():
             for quota, value in figures.items():
                 families["usage"].add_metric([project, quota], value)

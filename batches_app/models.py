@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from django.db import connection, models, transaction
-from django.db.models import Case, Exists, F, OuterRef, Q, Sum, When
+from django.db.models import Case, Count, Exists, F, OuterRef, Q, Sum, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -141,9 +141,10 @@ class BatchQuerySet(OwnedQuerySet):
 
     def note_why_waiting(self):
         """Each waiting batch says why: `queued` while a live engine has its model resident,
-        `model_not_resident` while none has. Returns the batches whose reason changed, as they
-        are now, for their `batch:progress` (a change of reason is a change like any other)."""
-        serving = set(Engine.objects.live().active().exclude(resident_model_id=None).values_list("resident_model_id", flat=True))
+        `model_not_resident` while none has, or while the one that has is loading or unloading
+        (a swap). Returns the batches whose reason changed, as they are now, for their
+        `batch:progress` (a change of reason is a change like any other)."""
+        serving = set(Engine.objects.serving_batches().values_list("resident_model_id", flat=True))
         waiting = self.waiting()
         changes = (
             (waiting.filter(model__in=serving, waiting_reason__in=[None, Batch.Waiting.MODEL_NOT_RESIDENT]),
@@ -609,12 +610,15 @@ class BatchRowQuerySet(models.QuerySet):
             claimed_by=None, claim_token=None
         )
 
-    def backlog(self, model_id):
-        """Rows still to run of the running batches of `model_id`."""
-        return self.filter(
-            batch__status=Batch.Status.IN_PROGRESS, batch__end_status__isnull=True,
-            batch__model=model_id, outcome=BatchRow.Outcome.PENDING,
-        ).count()
+    def backlog(self):
+        """{(model, status): rows}: each valid row not yet run of each active batch, once, whichever
+        engines serve its model (the seed's `batch_backlog_rows`): in-progress batches with no end
+        asked for, waiting or running, their model resident or not; validating batches with the
+        valid lines read so far (their model is "" until validation names it)."""
+        active = Q(batch__status__in=[Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS], batch__end_status__isnull=True)
+        counted = (self.filter(active, outcome=BatchRow.Outcome.PENDING).order_by()
+                   .values_list("batch__model", "batch__status").annotate(rows=Count("id")))
+        return {(model or "", status): rows for model, status, rows in counted}
 
     def record(self, results, chunk, recorded_at, engine_id):
         """One UPDATE for a chunk's RowResults, each row written only while still pending and

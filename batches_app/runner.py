@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 
 from batches_app import assembly, events, leasing, validation
@@ -83,7 +83,6 @@ class BatchRunner:
     def __init__(self, worker):
         self.worker = worker
         self.chunks = 0
-        self.last_backlog = None
         # Rows seen but not yet run, for the batch in hand: a row waiting in the packing window,
         # or the scoring row that ended a run of seated ones, is parsed (and measured) once.
         self.parsed = {}  # row id -> PendingRow
@@ -169,8 +168,8 @@ class BatchRunner:
             batch = leading = None
             try:
                 await sync_to_async(self._sweep)()
-                batch, leading = await sync_to_async(self._claim_to_run)()
-                if batch is None or await self._process(batch, leading) == "waiting":
+                batch, leading, verdict = await sync_to_async(self._claim_to_run)()
+                if batch is None or await self._process(batch, leading, verdict) == "waiting":
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
             except FencedOut as fenced:
                 log.warning("fenced out of %s: another engine claimed it, or it is ending", fenced)
@@ -193,10 +192,14 @@ class BatchRunner:
         return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
 
     def _claim_to_run(self):
-        """(batch, leading): the oldest batch to end, or to run on the resident model. One that no
-        engine holds is claimed with a fresh fencing token and led, unless a batch as old or older
-        is led by another replica: then that one is helped while it has rows nobody runs (every
-        replica works on the oldest batch first). (None, None) when there is nothing."""
+        """(batch, leading, verdict): the oldest batch to end, or to run on the resident model. One
+        that no engine holds is claimed with a fresh fencing token and led, unless a batch as old
+        or older is led by another replica: then that one is helped while it has rows nobody runs
+        (every replica works on the oldest batch first). (None, None, None) when there is nothing.
+
+        A batch to run is checked in the claim's transaction (`verdict`, as `_before_chunk`'s): it
+        is seen unclaimed with the reason it waits for, or claimed to run with none, never
+        between (SPEC 10, "Waiting")."""
         close_old_connections()
         engine_id = self.worker.engine_id
         runtime = self.worker.runtime
@@ -207,10 +210,12 @@ class BatchRunner:
             led = Batch.objects.led_elsewhere(model_id, engine_id).first()
         # A batch led elsewhere comes first: a newer one led here would want the model's lease
         # too, which the older one holds (one live lease per model).
-        batch = Batch.objects.to_run(model_id).claim_oldest(engine_id, running_before=led.created_at if led else None)
-        if batch is not None:
-            return batch, True
-        return (helpable, False) if helpable is not None else (None, None)
+        with transaction.atomic():
+            batch = Batch.objects.to_run(model_id).claim_oldest(engine_id, running_before=led.created_at if led else None)
+            if batch is not None:
+                runs_rows = batch.status == Batch.Status.IN_PROGRESS and not batch.end_status
+                return batch, True, self._check_leading(batch) if runs_rows else None
+        return (helpable, False, None) if helpable is not None else (None, None, None)
 
     def _let_go_of_rows(self, batch):
         """Done with `batch` for now: our claims on its rows not recorded end, so any replica runs
@@ -237,9 +242,10 @@ class BatchRunner:
             self.unreleased.pop(batch_id, None)
             log.info("released the claim on %s", batch_id)
 
-    async def _process(self, batch, leading=True):
+    async def _process(self, batch, leading=True, verdict=None):
         """Run one batch, as its leader (claimed) or a helper, until it ends or must wait (or,
-        helping, has no rows left that nobody runs); "waiting" when it must wait."""
+        helping, has no rows left that nobody runs); "waiting" when it must wait. `verdict`: the
+        check its claim made already, for the first chunk."""
         if batch.status != Batch.Status.IN_PROGRESS or batch.end_status:
             await self._assemble(batch)
             return "ended"
@@ -248,8 +254,6 @@ class BatchRunner:
         self.lengths.clear()
         self.rows_run = 0
         self._report_work(batch, leading)
-        # Its rows count in the backlog from now, not from the next sweep (up to BATCH_WAIT_POLL_S).
-        await sync_to_async(self._report_backlog)()
         if leading:
             await self._wake_replicas(batch)  # it has a leader now: the others may help at once
         swept = time.monotonic()
@@ -257,16 +261,16 @@ class BatchRunner:
             if time.monotonic() - swept > settings.BATCH_WAIT_POLL_S:
                 await sync_to_async(self._sweep)()  # the others' expiry and waiting reasons
                 swept = time.monotonic()
-            verdict = await sync_to_async(self._before_chunk)(batch, leading)
+            if verdict is None:
+                verdict = await sync_to_async(self._before_chunk)(batch, leading)
             if verdict == "assemble":
                 await self._abandon_seated()
                 await self._assemble(batch)
                 return "ended"
-            if verdict in ("release", "wait"):
+            if verdict in ("release", "wait"):  # a leader's claim was released with the reason
                 await self._abandon_seated()
-                if leading:
-                    await sync_to_async(batch.release_claim)()
                 return "waiting" if verdict == "wait" else "released"
+            verdict = None
             if self._decodes_batched(batch):
                 rows = await sync_to_async(self._next_seated_rows)(batch)
                 if rows or self.seated:
@@ -305,12 +309,19 @@ class BatchRunner:
         self.worker.batch_work = {"batch": batch.pk, "role": "leader" if leading else "helper", "rows_run": self.rows_run}
 
     def _before_chunk(self, batch, leading=True):
-        """Cancelled? expired? model resident? weights clean? lease held? Record the waiting
-        reason if not (the leader; a helper stops helping)."""
+        """Cancelled? expired? model resident? weights clean? lease held? The leader records the
+        waiting reason if not, and lets go of the batch; a helper stops helping."""
         close_old_connections()
         batch.refresh_from_db()
         if not leading:
             return self._before_helping(batch)
+        with transaction.atomic():
+            return self._check_leading(batch)
+
+    def _check_leading(self, batch):
+        """The leader's check, in a transaction: "assemble" (an end was asked for: ended here),
+        "run" (the batch shows no waiting reason), or "release"/"wait" with the reason recorded
+        and the claim released in the same transaction (announced once it commits)."""
         if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
             raise FencedOut(batch.pk)
         if batch.status == Batch.Status.CANCELLING:
@@ -320,20 +331,22 @@ class BatchRunner:
             batch.mark_ending(Batch.Status.EXPIRED)
             return "assemble"
         runtime = self.worker.runtime
-        if runtime is None or runtime.model_id != batch.model:
-            if batch.set_waiting(Batch.Waiting.MODEL_NOT_RESIDENT):
-                events.publish(batch)
-            return "release"
-        if self.worker.weights_torn:
+        if runtime is None or runtime.model_id != batch.model or self.worker.swapping:
+            # Not resident, or being loaded or unloaded (the seed's `model_not_resident`).
+            verdict, reason = "release", Batch.Waiting.MODEL_NOT_RESIDENT
+        elif self.worker.weights_torn:
             # An edit is mid-write: no row runs until a commit or a load (SPEC 10, "Waiting").
-            if batch.set_waiting(Batch.Waiting.WEIGHTS_TORN):
-                events.publish(batch)
-            return "wait"
-        if not leasing.hold(batch, self.worker.engine_id, settings.BATCH_LEASE_TTL_S):
-            if batch.set_waiting(Batch.Waiting.LEASE_UNAVAILABLE):
-                events.publish(batch)
-            return "wait"
-        return "run"
+            verdict, reason = "wait", Batch.Waiting.WEIGHTS_TORN
+        elif not leasing.hold(batch, self.worker.engine_id, settings.BATCH_LEASE_TTL_S):
+            verdict, reason = "wait", Batch.Waiting.LEASE_UNAVAILABLE
+        else:
+            verdict, reason = "run", None
+        changed = batch.set_waiting(reason)
+        if verdict != "run":
+            batch.release_claim()
+        if changed:
+            transaction.on_commit(lambda: events.publish(batch))
+        return verdict
 
     def _before_helping(self, batch):
         """A helper's check before each chunk: the leader still holds the batch ("release" when it
@@ -344,8 +357,8 @@ class BatchRunner:
             return "release"
         runtime = self.worker.runtime
         if (batch.status != Batch.Status.IN_PROGRESS or batch.end_status or timezone.now() >= batch.expires_at
-                or runtime is None or runtime.model_id != batch.model or self.worker.weights_torn
-                or not leasing.is_held(batch)):
+                or runtime is None or runtime.model_id != batch.model or self.worker.swapping
+                or self.worker.weights_torn or not leasing.is_held(batch)):
             return "wait"
         return "run"
 
@@ -528,25 +541,22 @@ class BatchRunner:
         log.info("batch %s: %d/%d rows, %.1f rows/s, ETA %s", batch.pk, done, batch.total, rate, eta)
         self.progress_log[batch.pk] = (started, done_then, now)
 
+    async def swap_begins(self):
+        """A load, unload or swap began on this engine (the Worker tells its companions): the
+        waiting batches of the models it changes say `model_not_resident` from now, not from the
+        next sweep (a running one says it at its next check, once its chunk is done)."""
+        for batch in await sync_to_async(Batch.objects.note_why_waiting)():
+            await events.apublish(batch)
+
     def _sweep(self):
         """Between chunks and while idle: dead claims released, queued batches say why they
-        wait, unclaimed batches past expires_at end expired, the heartbeat row has the backlog."""
+        wait, unclaimed batches past expires_at end expired."""
         close_old_connections()
         self._release_remembered()
         Batch.objects.release_stale_claims()
         for batch in Batch.objects.note_why_waiting():
             events.publish(batch)
         Batch.objects.expire_waiting()
-        self._report_backlog()
-
-    def _report_backlog(self):
-        runtime = self.worker.runtime
-        backlog = None  # unknown without a resident model: null, never a fake 0
-        if runtime is not None:
-            backlog = BatchRow.objects.backlog(runtime.model_id)
-        if backlog != self.last_backlog:
-            Engine.objects.report_backlog(self.worker.engine_id, backlog)
-            self.last_backlog = backlog
 
 
 def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None):

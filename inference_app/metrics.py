@@ -26,8 +26,6 @@ class EngineCollector:
         waiting = GaugeMetricFamily("millm_queue_waiting", "Interactive requests waiting", labels=["engine", "model"])
         in_flight = GaugeMetricFamily("millm_queue_in_flight", "Slot holders", labels=["engine", "model"])
         alive = GaugeMetricFamily("millm_engine_alive", "1 when the heartbeat is fresh", labels=["engine", "model"])
-        backlog = GaugeMetricFamily("millm_batch_backlog_rows", "Valid batch rows not yet run for the engine's model",
-                                    labels=["engine", "model"])
         sequences = GaugeMetricFamily("millm_engine_sequences_running", "Sequences the step scheduler decodes (0 on a serial engine)",
                                       labels=["engine", "model"])
         waits = SummaryMetricFamily("millm_queue_wait_seconds", "Time interactive requests waited for a seat",
@@ -39,13 +37,11 @@ class EngineCollector:
             waiting.add_metric(labels, engine.queue_waiting)
             in_flight.add_metric(labels, engine.in_flight)
             alive.add_metric(labels, 1 if engine.alive else 0)
-            if engine.batch_backlog_rows is not None:  # unknown without a resident model: no sample, never a fake 0
-                backlog.add_metric(labels, engine.batch_backlog_rows)
             sequences.add_metric(labels, engine.sequences_running)
             waits.add_metric(labels, count_value=engine.queue_waits_total, sum_value=engine.queue_wait_seconds_total)
             if engine.estimated_wait_seconds is not None:  # no estimate before the first request ends
                 estimate.add_metric(labels, engine.estimated_wait_seconds)
-        yield from (waiting, in_flight, alive, backlog, sequences, waits, estimate)
+        yield from (waiting, in_flight, alive, sequences, waits, estimate)
 
 
 registry.register(EngineCollector())

@@ -267,7 +267,7 @@ class EngineQuerySet(models.QuerySet):
 
     def demote(self, rows):
         return rows.filter(role=Engine.Role.ACTIVE).update(
-            role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None
+            role=Engine.Role.STANDBY, resident_model_id=None, loading_model_id=None, swapping=False
         )
 
     def seated_peers(self, model_id, engine_id):
@@ -284,6 +284,17 @@ class EngineQuerySet(models.QuerySet):
 
     def unregister(self, engine_id):
         self.filter(pk=engine_id).delete()
+
+    def begin_swap(self, engine_id, model_id):
+        """A load of `model_id` (None: an unload) begins: the engine serves no batch until it ends."""
+        self.filter(pk=engine_id).update(swapping=True, loading_model_id=model_id)
+
+    def end_swap(self, engine_id):
+        self.filter(pk=engine_id).update(swapping=False, loading_model_id=None)
+
+    def serving_batches(self):
+        """The live active engines whose resident model runs batch rows now: not mid-swap."""
+        return self.live().active().exclude(resident_model_id=None).filter(swapping=False)
 
     def set_loading(self, engine_id, model_id):
         """`model_id`: the model the engine is loading now, or None when that load ended."""
@@ -304,10 +315,6 @@ class EngineQuerySet(models.QuerySet):
     def set_weights(self, engine_id, state):
         self.filter(pk=engine_id).update(weights_state=state)
 
-    def report_backlog(self, engine_id, rows):
-        """`rows`: the batch rows waiting for the engine's resident model; None when unknown."""
-        self.filter(pk=engine_id).update(batch_backlog_rows=rows)
-
 
 class Engine(models.Model):
     """One `runbatchworker` process: its heartbeat, model, role and queue figures (SPEC 5)."""
@@ -327,6 +334,8 @@ class Engine(models.Model):
     model_id = models.CharField(max_length=255, help_text="The model this engine serves.")
     resident_model_id = models.CharField(max_length=255, null=True, blank=True)
     loading_model_id = models.CharField(max_length=255, null=True, blank=True)
+    swapping = models.BooleanField(default=False, help_text="A load, unload or swap is under way: the batches of "
+                                   "the models it changes wait as model_not_resident until it ends.")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.STANDBY)
     weights_state = models.CharField(max_length=8, choices=Weights.choices, default=Weights.CLEAN)
     started_at = models.DateTimeField(default=timezone.now)
@@ -339,7 +348,6 @@ class Engine(models.Model):
     sequences_running = models.PositiveIntegerField(default=0, help_text="Sequences the step scheduler decodes (0 on a serial engine).")
     queue_waits_total = models.BigIntegerField(default=0, help_text="Interactive requests granted a seat.")
     queue_wait_seconds_total = models.FloatField(default=0.0, help_text="The seconds they waited for it, in all.")
-    batch_backlog_rows = models.BigIntegerField(null=True, blank=True)
     seat = models.PositiveIntegerField(null=True, blank=True, help_text="Its model's replica seat, while active (SPEC 10c).")
     batch_work = models.JSONField(null=True, blank=True, help_text="The batch it runs rows of: {batch, role, rows_run}.")
 

@@ -9,7 +9,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from inference_app import gateway, metrics
+from inference_app import backlog, gateway, metrics
 from inference_app.catalogue import parse_load_policy, requestable, resolve
 from inference_app.leases import LEASE_HEADER
 from millm_lib.errors import ApiError, json_response, require_json
@@ -153,8 +153,9 @@ def health_detailed(request):
                 in_flight=sum(engine.in_flight for engine in active),
                 queue_waiting=sum(engine.queue_waiting for engine in active),
                 estimated_wait_seconds=serving.estimated_wait_seconds if serving else None,
-                # Unknown until the batch runner reports it: null, never a fake 0.
-                batch_backlog_rows=_backlog(active),
+                # Each unrun row of each active batch once, from the database (not the engines'
+                # heartbeats: two replicas of one model would count its rows twice).
+                batch_backlog_rows=backlog.total_rows(),
             ),
         )
     )
@@ -163,13 +164,6 @@ def health_detailed(request):
 def _lease_status(engine):
     lease = Lease.objects.on_model(engine.resident_model_id) if engine else None
     return lease.status() if lease else None  # the status, never the id
-
-
-def _backlog(engines):
-    figures = [engine.batch_backlog_rows for engine in engines]
-    if not figures or any(value is None for value in figures):
-        return None
-    return sum(figures)
 
 
 @documented(GET=Op("Prometheus metrics", {200: {"text/plain": {"type": "string"}}}, envelope="none"))

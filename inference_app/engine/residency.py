@@ -53,6 +53,7 @@ class Residency:
         self.runtime = None
         self.weights_torn = False  # mirrors the resident entry's weights_state (SPEC 5, "Weights")
         self.loading_model_id = None
+        self.swapping = False  # a load, unload or swap is under way (no batch row starts)
         self.swap_lock = None
 
     # --- loading and unloading (sync) ---
@@ -153,36 +154,49 @@ class Residency:
     # --- swaps (on the event loop) ---
 
     async def swap(self, model_id, startup=False):
-        """Load `model_id` (None: unload) once the slot is free; requests queue behind it."""
-        slot, engine_id = self.worker.slot, self.worker.engine_id
+        """Load `model_id` (None: unload) once the slot is free; requests queue behind it. From its
+        start to its end the engine is `swapping`: no batch row of either model starts, and their
+        waiting batches say `model_not_resident` (the companions are told at once)."""
+        engine_id = self.worker.engine_id
         async with self.swap_lock:
             current = self.runtime.model_id if self.runtime else None
             if current == model_id:
                 return
-            self.loading_model_id = model_id
-            if model_id:
-                await self._model_event("model:load:progress", model_id, stage="waiting for the slot")
-            await slot.acquire(interactive=True, limited=False)
-            started = time.monotonic()
+            self.loading_model_id, self.swapping = model_id, True
             try:
-                if model_id:
-                    await self._model_event("model:load:progress", model_id, stage="loading weights")
-                await asyncio.get_running_loop().run_in_executor(
-                    self.worker.seating.model_thread, self._swap_in_thread, model_id, startup
-                )
-            except Exception as error:
-                await self._model_event("model:load:error", model_id, error=str(error)[:500])
-                raise
+                await sync_to_async(Engine.objects.begin_swap)(engine_id, model_id)
+                await self.worker.swap_begins()
+                seconds = await self._swap_under_the_slot(model_id, startup)
             finally:
-                slot.release(True, None)
-                self.loading_model_id = None
-            seconds = round(time.monotonic() - started, 2)
+                self.loading_model_id, self.swapping = None, False
+                await sync_to_async(Engine.objects.end_swap)(engine_id)
+                self.worker.wake()  # the batches of the model now resident may run
             if current:
                 await self._model_event("model:unload:complete", current)
             if model_id:
                 await self._model_event("model:load:complete", model_id, seconds=seconds)
             log.info("engine %s: %s in %.1f s", engine_id,
                      f"loaded {model_id}" if model_id else f"unloaded {current}", seconds)
+
+    async def _swap_under_the_slot(self, model_id, startup):
+        """The load or unload itself, holding the whole slot; returns its seconds."""
+        slot = self.worker.slot
+        if model_id:
+            await self._model_event("model:load:progress", model_id, stage="waiting for the slot")
+        await slot.acquire(interactive=True, limited=False)
+        started = time.monotonic()
+        try:
+            if model_id:
+                await self._model_event("model:load:progress", model_id, stage="loading weights")
+            await asyncio.get_running_loop().run_in_executor(
+                self.worker.seating.model_thread, self._swap_in_thread, model_id, startup
+            )
+        except Exception as error:
+            await self._model_event("model:load:error", model_id, error=str(error)[:500])
+            raise
+        finally:
+            slot.release(True, None)
+        return round(time.monotonic() - started, 2)
 
     async def _model_event(self, event, model_id, **fields):
         data = {"model_id": model_id, "engine": self.worker.engine_id, **fields}

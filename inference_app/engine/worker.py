@@ -9,8 +9,9 @@
 Small sync methods (register, try_become_active, load, heartbeat, unregister) touch the
 database and return plain values, so tests call them on the Worker without processes; `serve()`
 is the asyncio loop. Companions (the batch runner) use only the Worker's face: `engine_id`,
-`source`, `seat`, `runtime`, `weights_torn`, `seating`, `stopping`, `nap()`, `wake()`,
-`probes_for()`, and they report in `batch_work`.
+`source`, `seat`, `runtime`, `weights_torn`, `swapping`, `seating`, `stopping`, `nap()`,
+`wake()`, `probes_for()`, and they report in `batch_work`; one with an async `swap_begins()` is
+told when a load, unload or swap begins.
 
 Threads: the event loop receives messages and schedules; database work runs in asgiref's one
 sync thread (sync_to_async); forward passes run in the seating's model thread (the whole
@@ -73,6 +74,15 @@ class Worker:
     @property
     def weights_torn(self):
         return self.residency.weights_torn
+
+    @property
+    def swapping(self):
+        return self.residency.swapping
+
+    async def swap_begins(self):
+        for companion in self.companions:
+            if hasattr(companion, "swap_begins"):
+                await companion.swap_begins()
 
     def register(self):
         return self.presence.register()

@@ -78,7 +78,7 @@ def test_a_second_batch_waits_queued_then_runs(slow):
     assert waiting["millm"]["waiting_reason"] == "queued" and batch_json(slow, first.id)["status"] == "in_progress"
     assert waiting["request_counts"]["completed"] == 0
 
-    def backlog():  # the runner refreshes it between chunks
+    def backlog():  # both batches' unrun rows, from the database
         return httpx.get(slow.web.url + "/api/health/detailed").json()["inference"]["batch_backlog_rows"]
 
     wait_until(lambda: backlog() is not None and 3 <= backlog() <= 27, 10, "the backlog does not count both batches' rows")

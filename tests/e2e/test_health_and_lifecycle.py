@@ -22,7 +22,7 @@ def test_health_is_bare_and_detailed_reports_engines_and_queue(stack):
     inference = detailed["inference"]
     assert inference["backend"] == "serial"
     assert inference["queue_max_pending"] == 3  # this stack's MAX_PENDING_REQUESTS
-    assert inference["batch_backlog_rows"] == 0  # the runner reports it: no batch, no backlog
+    assert inference["batch_backlog_rows"] == 0  # counted from the database: no active batch, no backlog
     assert {"queue_pending", "queue_max_concurrent", "in_flight", "queue_waiting", "estimated_wait_seconds"} <= set(inference)
 
 
