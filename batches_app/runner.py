@@ -39,6 +39,9 @@ from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCO
 from projects_app.models import Project
 
 log = logging.getLogger("millm.batches")
+# One line per chunk executed: its batch, the engine and the lines that produced a result, logged
+# when they did, before any record (MILLM_LOG_EXECUTIONS; the tests count executions with it).
+executions = logging.getLogger("millm.batches.executions")
 
 PROGRESS_LOG_S = 5.0
 HELPERS_POLL_S = 0.1  # a leader waiting for its helpers' last chunks looks this often
@@ -596,6 +599,9 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None
             # A row that breaks the service must not break the batch (nor run forever).
             log.exception("line %d of %s failed", row.line, row.batch_id)
             outcomes[row.pk] = internal_error()
+    if rows:
+        executions.info("executed batch=%s engine=%s lines=%s", rows[0].row.batch_id, rows[0].row.claimed_by,
+                        ",".join(str(pending.row.line) for pending in rows))
     packed_ids = {pending.row.pk for pending in packed}
     return [_result(pending.row, endpoint, outcomes[pending.row.pk], pending.row.pk in packed_ids) for pending in rows]
 

@@ -282,5 +282,10 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": envstr("MILLM_LOG_LEVEL", "INFO")},
-    "loggers": {"httpx": {"level": "WARNING"}},
+    "loggers": {
+        "httpx": {"level": "WARNING"},
+        # A line per batch chunk executed (batch, engine, lines): an audit trail that a recorded
+        # row never ran again; the end-to-end tests count executions with it.
+        "millm.batches.executions": {"level": "INFO" if envbool("MILLM_LOG_EXECUTIONS", False) else "WARNING"},
+    },
 }

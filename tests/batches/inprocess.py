@@ -6,6 +6,7 @@ engine."""
 import asyncio
 import json
 import logging
+import re
 import time
 
 from asgiref.sync import sync_to_async
@@ -57,6 +58,21 @@ def run_engine_until(worker, reached, timeout=15):
     with errors:
         asyncio.run(engine_until_reached())
     assert not errors.records, f"the runner logged an error: {errors.records[0].getMessage()}"
+
+
+def executions(caplog, batch_id):
+    """{line: [the engine id of each execution]}, from the runner's `executed` lines (a chunk's,
+    logged when it ran, before its record); `caplog` must hear millm.batches.executions at INFO."""
+    runs = {}
+    for record in caplog.records:
+        found = EXECUTED.fullmatch(record.getMessage()) if record.name == "millm.batches.executions" else None
+        if found and found["batch"] == batch_id:
+            for line in found["lines"].split(","):
+                runs.setdefault(int(line), []).append(found["engine"])
+    return runs
+
+
+EXECUTED = re.compile(r"executed batch=(?P<batch>\S+) engine=(?P<engine>\S+) lines=(?P<lines>[\d,]+)")
 
 
 def batch_is(batch_id, status=None, waiting_reason=None):

@@ -2,6 +2,7 @@
 its files by a real engine Worker, and the engine's restarts, cancels, waits and expiries (SPEC
 10), each in seconds instead of the minutes a subprocess test takes."""
 
+import logging
 from datetime import timedelta
 
 import pytest
@@ -14,7 +15,8 @@ from batches_app.runner import BatchRunner
 from files_app.models import File, file_storage
 from inference_app.engine.runtime import ResidentModel
 from inference_app.models import Lease
-from tests.batches.inprocess import MODEL, batch_is, generation, lines_of, run_and_record, run_engine_until, scoring
+from tests.batches.inprocess import (MODEL, batch_is, executions, generation, lines_of, run_and_record, run_engine_until,
+                                     scoring)
 from tests.factories import BatchFactory, BatchRowFactory, EngineFactory, FileFactory, LeaseFactory, requests_of
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("inprocess_settings")]
@@ -68,18 +70,23 @@ def test_a_small_batch_runs_from_validation_to_its_output_in_input_order(start_e
     assert not batch.rows.exclude(body=None).exists()
 
 
-def test_it_resumes_from_the_first_unrecorded_row(start_engine, resident):
+def test_it_resumes_from_the_first_unrecorded_row(start_engine, resident, caplog):
+    caplog.set_level(logging.INFO, logger="millm.batches.executions")
     batch = running_batch([generation("One"), generation("Two"), scoring("Three"), generation("Four")])
     batch = left_by_a_dead_engine(batch, resident, recorded=2)
+    dead = batch.claimed_by
     before = {row.line: (row.request_id, row.recorded_at) for row in batch.rows.exclude(outcome=BatchRow.Outcome.PENDING)}
     assert sorted(before) == [1, 2]
 
-    run_engine_until(start_engine(), batch_is(batch.pk))
+    engine = start_engine()
+    run_engine_until(engine, batch_is(batch.pk))
 
     batch.refresh_from_db()
     assert batch.status == Batch.Status.COMPLETED and (batch.completed, batch.failed) == (4, 0)
     after = {row.line: (row.request_id, row.recorded_at) for row in batch.rows.all()}
-    assert {line: after[line] for line in before} == before  # not run again, not written again
+    assert {line: after[line] for line in before} == before  # not written again ...
+    # ... and not run again: the dead engine executed lines 1 and 2 once, the new one the rest.
+    assert executions(caplog, batch.pk) == {1: [dead], 2: [dead], 3: [engine.engine_id], 4: [engine.engine_id]}
     output = lines_of(batch.output_file)
     assert custom_ids(output) == ["row-1", "row-2", "row-3", "row-4"]
     assert [line["response"]["request_id"] for line in output[:2]] == [before[1][0], before[2][0]]

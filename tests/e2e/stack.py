@@ -3,6 +3,7 @@ PostgreSQL and Redis, in a database of their own so that nothing else disturbs t
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -81,6 +82,7 @@ class Stack:
             "ENGINE_HEARTBEAT_S": "0.5",
             "ENGINE_STALE_S": "3",
             "PYTHONUNBUFFERED": "1",
+            "MILLM_LOG_EXECUTIONS": "true",  # `executions()` counts the rows each engine ran
             **{key: str(value) for key, value in settings.items()},
         }
         self.env.pop("MILLM_API_KEYS", None)
@@ -163,10 +165,27 @@ class Stack:
     def engines(self, web):
         return httpx.get(web.url + "/api/health/detailed", timeout=5).json()["engines"]
 
+    def executions(self, batch_id):
+        """{line: [the engine process that executed it, once per execution]}, read from every
+        engine's log, the killed ones' included (`executed batch=... engine=... lines=...`, a line
+        per chunk, written when the chunk ran and before its record)."""
+        runs = {}
+        for process in self.processes:
+            if process.name != "engine":
+                continue
+            for batch, lines in EXECUTED.findall(process.log()):
+                if batch == batch_id:
+                    for line in lines.split(","):
+                        runs.setdefault(int(line), []).append(process)
+        return runs
+
     def close(self):
         for process in reversed(self.processes):
             process.stop()
         self.drop_database()
+
+
+EXECUTED = re.compile(r"executed batch=(\S+) engine=\S+ lines=([\d,]+)")
 
 
 def answers(url):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import assert_ran_once, line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.stack import Stack, wait_until
 
@@ -55,8 +55,9 @@ def test_a_kill_mid_chunk_loses_nothing_and_runs_no_recorded_row_again(slow):
     wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 8)
     time.sleep(PAUSE / 3)  # inside the next chunk: computed, not yet recorded
     before = recorded(slow, batch.id)
-    slow.engine.popen.send_signal(signal.SIGKILL)
-    slow.engine.popen.wait()
+    killed = slow.engine
+    killed.popen.send_signal(signal.SIGKILL)
+    killed.popen.wait()
     assert 8 <= len(before) < 40
 
     slow.engine = slow.start_engine()
@@ -66,7 +67,9 @@ def test_a_kill_mid_chunk_loses_nothing_and_runs_no_recorded_row_again(slow):
     output, errors = every_line_once(client, done, 40)
     assert errors == []
     by_line = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
-    assert {line_no: by_line[line_no] for line_no in before} == before  # recorded rows never ran again
+    assert {line_no: by_line[line_no] for line_no in before} == before  # recorded rows kept their results
+    # ... and never executed again: only the chunk in flight at the kill (computed, not recorded) ran twice.
+    assert_ran_once(slow, batch.id, range(1, 41), before, killed=[killed])
 
 
 def test_a_second_batch_waits_queued_then_runs(slow):

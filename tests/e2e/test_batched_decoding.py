@@ -10,7 +10,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import assert_ran_once, line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, crowd_of_long_chats, make_client
 from tests.e2e.metrics_helpers import scrape, value
 from tests.e2e.stack import Stack, wait_until
@@ -153,8 +153,9 @@ def test_a_kill_mid_step_runs_every_row_exactly_once(seated):
     wait_for(client, batch.id, {"in_progress"}, timeout=60, check=lambda b: b.request_counts.completed >= 4)
     before = dict(seated.sql("SELECT line, request_id FROM batches_app_batchrow WHERE batch_id = %s AND outcome "
                              "<> 'pending'", [batch.id]))
-    seated.engine.popen.send_signal(signal.SIGKILL)  # rows in flight were mid-decode, never recorded
-    seated.engine.popen.wait()
+    killed = seated.engine
+    killed.popen.send_signal(signal.SIGKILL)  # rows in flight were mid-decode, never recorded
+    killed.popen.wait()
     assert 4 <= len(before) < count
 
     seated.engine = seated.start_engine()
@@ -163,4 +164,5 @@ def test_a_kill_mid_step_runs_every_row_exactly_once(seated):
     output = read_jsonl(client, done.output_file_id)
     assert Counter(row["custom_id"] for row in output) == Counter(f"kill-{i}" for i in range(count))
     by_line = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
-    assert {line_no: by_line[line_no] for line_no in before} == before  # recorded rows never ran again
+    assert {line_no: by_line[line_no] for line_no in before} == before  # recorded rows kept their results
+    assert_ran_once(seated, batch.id, range(1, count + 1), before, killed=[killed])  # ... and never ran again

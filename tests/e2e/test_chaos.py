@@ -22,7 +22,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.batch_helpers import read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import assert_ran_once, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.faults import (
     COMPLETIONS, leftover_temporaries, live_leases, orphans, pg_cluster, progress, recorded, redis_server,
@@ -117,7 +117,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
             rng.shuffle(faults)
             traffic = Traffic(webs)
             traffic.start()
-            before_faults, timeline, killed_webs = {}, [], set()
+            before_faults, timeline, killed_webs, faulted_engines = {}, [], set(), []
             try:
                 for turn, fault in enumerate(faults):
                     # Each fault lands a random share into the rows left for it: the batch goes on
@@ -135,6 +135,8 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
                     status_then = progress(stack, batch.id)[0]
                     fault_started = time.monotonic()
                     engine = stack.engine
+                    if fault in ("engine", "postgres"):  # its chunk in flight may run again
+                        faulted_engines.append(engine)
                     if fault == "engine":
                         engine.kill()
                         stack.engine = stack.start_engine()
@@ -185,6 +187,8 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
             request_ids = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
             assert {line: request_ids[line] for line in before_faults} == before_faults
             assert len(set(request_ids.values())) == rows
+            twice = assert_ran_once(stack, batch.id, range(1, rows + 1), before_faults, killed=faulted_engines)
+            print(f"  lines in flight at a fault that ran twice: {twice}")
             assert all(row["response"]["status_code"] == 200 and row["response"]["body"]["choices"] for row in output)
 
             # No orphaned bytes, no spool left behind, no lease left held.

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.batch_helpers import read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import assert_ran_once, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.faults import COMPLETIONS, live_leases, pg_cluster, progress, recorded, scoring_lines
 from tests.e2e.stack import Stack, wait_until
@@ -138,6 +138,7 @@ def test_the_standby_runs_nothing_and_takes_over_a_killed_active_engine_resuming
     output = every_line_once(client, done, 120)
     request_ids = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
     assert {line: request_ids[line] for line in before} == before
+    assert_ran_once(pair, batch.id, range(1, 121), before, killed=[active])  # the standby ran none of them again
     assert live_leases(pair) == []
 
 

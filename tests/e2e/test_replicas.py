@@ -16,7 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.batch_helpers import read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import assert_ran_once, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.faults import COMPLETIONS, recorded, scoring_lines
 from tests.e2e.stack import Stack, wait_until
@@ -151,11 +151,12 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     ids.start()
     chats.start()
     try:
-        killed = []
+        killed, recorded_before = [], {}
         for share in (first_kill, second_kill):
             wait_for(client, batch.id, {"in_progress"}, timeout=180,
                      check=lambda b, share=share: b.request_counts.completed >= share * rows)
             victim = next(p for p in stack.replicas if p.alive)
+            recorded_before.update(recorded(stack, batch.id))
             victim.kill()
             killed.append(victim)
             if len(killed) == 1:
@@ -182,6 +183,7 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     final = dict(stack.sql("SELECT line, request_id FROM batches_app_batchrow WHERE batch_id = %s", [batch.id]))
     changed = {line: (ids.first[line], final[line]) for line in ids.first if ids.first[line] != final[line]}
     assert changed == {}, f"recorded rows ran again (seed {seed})"
+    assert_ran_once(stack, batch.id, range(1, rows + 1), recorded_before, killed=killed)
     by_custom_id = {line["custom_id"]: line["response"]["request_id"] for line in output}
     assert by_custom_id[f"row-{rows - 1}"] == final[rows]
     assert len(ids.first) > rows // 2
