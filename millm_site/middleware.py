@@ -9,6 +9,7 @@ import time
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
+from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
 from inference_app import metrics
@@ -328,6 +329,15 @@ class BodyLimitASGI:
         ]
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+        # Answered here, not by Django: counted as every other answer is (RequestIdMiddleware).
+        metrics.requests_total.labels(_route_of(scope["path"]), scope["method"], str(error.status)).inc()
+
+
+def _route_of(path):
+    try:
+        return resolve(path).route
+    except Resolver404:
+        return "unmatched"
 
 
 def _body_limit(path):

@@ -211,7 +211,7 @@ class Serving:
         except ApiError as error:
             send({"type": "error", "error": error.to_wire()})
             return
-        started = False
+        started, sent = False, 0
         try:
             for chunk in _until_first_token(runtime, chunks):
                 if not started:
@@ -220,8 +220,10 @@ class Serving:
                     send({"type": "start", "headers": headers})
                     started = True
                 if cancelled.is_set():
+                    log.info("stopped streaming: its caller left after %d chunk(s)", sent)
                     return
                 send({"type": "chunk", "data": chunk})
+                sent += 1
             send({"type": "end"})
         except ApiError as error:
             send({"type": "end", "error": error.to_wire()} if started else {"type": "error", "error": error.to_wire()})

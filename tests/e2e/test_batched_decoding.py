@@ -4,6 +4,7 @@ alone; a kill mid-step loses nothing and runs no recorded row twice."""
 
 import concurrent.futures
 import json
+import re
 import signal
 from collections import Counter
 
@@ -98,13 +99,16 @@ def test_a_seeded_chat_gives_the_same_tokens_alone_and_among_others(seated):
 
     def others(index):
         return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": f"other {index}"}],
-                                              max_tokens=40, temperature=0.8)
+                                              max_tokens=400, temperature=0.8)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         crowd = [pool.submit(others, index) for index in range(3)]
+        # The others decode already (their 400 tokens last far beyond the seeded chat's 24).
+        wait_until(lambda: in_flight(seated) >= 3, 30, "the other chats never took their seats", seated.engine)
         among = pool.submit(lambda: client.chat.completions.with_raw_response.create(**ask))
         [future.result() for future in crowd]
         among = among.result()
+    assert among.headers["X-miLLM-Backend"] == "batched"  # it did share its decode steps
     assert among.parse().choices[0].message.content == alone.parse().choices[0].message.content
     assert among.headers["X-miLLM-Seed"] == alone.headers["X-miLLM-Seed"]
 
@@ -129,10 +133,16 @@ def test_max_tokens_and_stop_end_one_sequence_and_not_the_others(seated):
 def test_a_client_that_leaves_frees_its_seat(seated):
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "long"}], "max_tokens": 900, "temperature": 0,
             "stream": True}
+    stopped = re.compile(r"stopped streaming: its caller left after (\d+) chunk")
+    before = len(stopped.findall(seated.engine.log()))
     with httpx.stream("POST", seated.web.url + "/v1/chat/completions", json=body, timeout=60) as response:
         next(row for row in response.iter_lines() if row.startswith("data: {"))
     # The stream was closed after its first chunk: the engine ends the sequence and frees the seat.
     wait_until(lambda: in_flight(seated) == 0, 30, "the seat of a client that left was never freed", seated.engine)
+    # ... because the cancel reached the sequence, which stopped early (not at its 900th token).
+    wait_until(lambda: len(stopped.findall(seated.engine.log())) == before + 1, 10,
+               "the engine never stopped the stream of the client that left", seated.engine)
+    assert int(stopped.findall(seated.engine.log())[-1]) < 300
 
 
 def test_queue_full_with_retry_after_still_holds(tmp_path_factory, test_model_dir):

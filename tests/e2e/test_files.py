@@ -6,6 +6,7 @@ import socket
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 
 
@@ -164,8 +165,21 @@ def test_a_declared_content_length_over_the_limit_is_refused_before_any_byte_is_
     assert "batch_file_limit" in answer and f"{declared:,} bytes declared" in answer
 
 
+def file_posts_answered(web):
+    """{status: count} of the POST /v1/files answers this web process has sent (its /metrics)."""
+    text = httpx.get(web.url + "/metrics", timeout=10).text
+    answered = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if (sample.name == "millm_http_requests_total" and labels.get("method") == "POST"
+                    and "v1/files" in labels.get("route", "")):
+                answered[labels["status"]] = answered.get(labels["status"], 0) + sample.value
+    return answered
+
+
 def test_an_undeclared_body_is_refused_once_it_crosses_the_limit(stack, limited):
-    before = state(stack)
+    before, answered = state(stack), file_posts_answered(limited)
     sent = []
 
     def chunks():
@@ -183,4 +197,8 @@ def test_an_undeclared_body_is_refused_once_it_crosses_the_limit(stack, limited)
     if response is not None:
         assert response.status_code == 400
         assert response.json()["error"]["code"] == "batch_file_limit"
+    # Whether or not the client read the answer, the server sent one: a 400, and nothing else.
+    after = file_posts_answered(limited)
+    assert {status: count - answered.get(status, 0) for status, count in after.items()
+            if count != answered.get(status, 0)} == {"400": 1}
     assert state(stack) == before
