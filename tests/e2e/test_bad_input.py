@@ -5,6 +5,7 @@ import json
 import httpx
 import pytest
 
+from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID
 
 CHAT = "/v1/chat/completions"
@@ -134,3 +135,33 @@ def test_a_chunked_body_over_the_limit_is_413(small_body_web):
     response = httpx.post(small_body_web.url + CHAT, content=pieces(), headers={"Content-Type": "application/json"})
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_an_invalid_batch_line_carries_the_synchronous_code_and_message_as_the_readme_says(stack, client):
+    """README ("How it runs", Validation): an invalid line's error has the synchronous route's
+    code, and its message as `Line N: <message>`, the field it names written as the line's path
+    (`body.temperature` where the route says `temperature`); `errors[].param` is that path."""
+    bad = [
+        {"model": MODEL_ID, "messages": [], "max_tokens": 2},
+        {"model": MODEL_ID, "messages": [{"role": "wizard", "content": "x"}], "max_tokens": 2},
+        {"model": MODEL_ID, "messages": USER, "max_tokens": 2, "temperature": 9},
+        {"model": MODEL_ID, "messages": USER, "max_tokens": 0},
+        {"model": "no-such-model", "messages": USER, "max_tokens": 2},
+    ]
+    synchronous = []
+    for body in bad:
+        answer = httpx.post(stack.web.url + CHAT, json=body, headers={"X-miLLM-Load-Policy": "refuse"}, timeout=30)
+        assert 400 <= answer.status_code < 500, answer.text
+        synchronous.append(answer.json()["error"])
+    lines = [line(f"bad-{index}", CHAT, body) for index, body in enumerate(bad)]
+    lines.append(line("good", CHAT, {"model": MODEL_ID, "messages": USER, "max_tokens": 2}))
+    done = wait_for(client, start_batch(client, lines, CHAT).id, timeout=120)
+    errors = {row["custom_id"]: row for row in read_jsonl(client, done.error_file_id)}
+    listed = {error.line: error for error in done.errors.data}
+    for number, expected in enumerate(synchronous, start=1):
+        row = errors[f"bad-{number - 1}"]
+        path = f"body.{expected['param']}"
+        message = expected["message"].replace(f"'{expected['param']}'", f"'{path}'")
+        assert row["line"] == number and row["response"] is None
+        assert row["error"] == {"code": expected["code"], "message": f"Line {number}: {message}"}
+        assert (listed[number].code, listed[number].message, listed[number].param) == (expected["code"], row["error"]["message"], path)
