@@ -193,6 +193,29 @@ def test_batch_lines_resolve_like_the_synchronous_routes(home):
     assert resident(home) == saved
 
 
+def test_batch_lines_after_a_checkpoint_load_resolve_like_the_synchronous_routes(home):
+    """The rename by a checkpoint load, as the save's above: once `load(checkpoint)` made the
+    resident weights the checkpoint's, the base id they came from stops resolving to them."""
+    checkpoint = api(home, "POST", f"/api/models/{MODEL_ID}/save").json()["data"]["model"]
+    load(home, MODEL_ID)
+    load(home, checkpoint)
+    assert resident(home) == checkpoint
+    status, body = score(home, MODEL_ID)
+    assert status == 404 and body["error"]["code"] == "model_not_found" and f"'{checkpoint}'" in body["error"]["message"]
+    lines = [
+        line("base", COMPLETIONS, {"model": MODEL_ID, "prompt": "a", "max_tokens": 1, "logprobs": 1}),
+        line("checkpoint", COMPLETIONS, {"model": checkpoint, "prompt": "b", "max_tokens": 1, "logprobs": 1}),
+    ]
+    done = wait_for(home.client, start_batch(home.client, lines, COMPLETIONS).id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
+    assert done.model == checkpoint
+    errors = {row["custom_id"]: row["error"] for row in read_jsonl(home.client, done.error_file_id)}
+    assert errors["base"]["code"] == "model_not_found" and f"'{checkpoint}'" in errors["base"]["message"]
+    assert errors["base"]["message"] == f"Line 1: {body['error']['message']}"
+    assert [row["custom_id"] for row in read_jsonl(home.client, done.output_file_id)] == ["checkpoint"]
+    assert resident(home) == checkpoint  # nothing loaded the base for the line that named it
+
+
 def test_a_batch_waits_weights_torn_without_running_a_row_and_completes_after_the_commit(home):
     lease = api(home, "POST", f"/api/models/{MODEL_ID}/lease", json={"holder": "bob", "reason": "sweep"}).json()["data"]["id"]
     lines = [line(f"row-{i}", COMPLETIONS, {"model": MODEL_ID, "prompt": f"Item {i}:", "max_tokens": 1, "logprobs": 2})
