@@ -23,11 +23,12 @@ from tests.e2e.stack import Stack, wait_until
 
 SECOND = "tiny-second"
 PAUSE = 0.1  # before each chunk's record: a kill lands between a chunk's run and its record
+CHUNK = 4  # BATCH_CHUNK_ROWS
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, test_model_dir):
-    settings = {"ENGINE_MAX_REPLICAS": 3, "BATCH_WAIT_POLL_S": 0.2, "BATCH_CHUNK_ROWS": 4, "ENGINE_MAX_SEQUENCES": 1,
+    settings = {"ENGINE_MAX_REPLICAS": 3, "BATCH_WAIT_POLL_S": 0.2, "BATCH_CHUNK_ROWS": CHUNK, "ENGINE_MAX_SEQUENCES": 1,
                 "BATCH_TEST_PAUSE_BEFORE_RECORD_S": PAUSE}
     with Stack.running(tmp_path_factory.mktemp("replicas"), test_model_dir, **settings) as stack:
         stack.client = make_client(stack.web.url)
@@ -58,6 +59,10 @@ def every_custom_id_once(stack, batch, rows):
     return output
 
 
+def unrun(stack, batch_id):
+    return stack.sql("SELECT count(*) FROM batches_app_batchrow WHERE batch_id = %s AND outcome = 'pending'", [batch_id])[0][0]
+
+
 def chats_granted(stack):
     return dict(stack.sql("SELECT id, queue_waits_total FROM inference_app_engine WHERE role = 'active'"))
 
@@ -67,11 +72,17 @@ def test_two_replicas_each_run_part_of_one_batch_and_chats_spread_over_them(repl
     seats = sorted(e["seat"] for e in active(stack))
     assert seats == [0, 1]
     batch = start_batch(client, scoring_lines(120), COMPLETIONS)
-    seen_helper = False
+    seen_helper, backlogs = False, []
     while client.batches.retrieve(batch.id).status not in ("completed", "failed"):
         work = [e["batch_work"] for e in active(stack) if e["batch_work"]]
         seen_helper |= {w["role"] for w in work} == {"leader", "helper"} and {w["batch"] for w in work} == {batch.id}
+        # The backlog counts each unrun row once, however many replicas run the batch (issue 26).
+        unrun_before = unrun(stack, batch.id)
+        backlog = httpx.get(stack.web.url + "/api/health/detailed", timeout=5).json()["inference"]["batch_backlog_rows"]
+        backlogs.append((unrun(stack, batch.id) - CHUNK, backlog, unrun_before + CHUNK))
         time.sleep(0.05)
+    assert [sample for sample in backlogs if not sample[0] <= sample[1] <= sample[2]] == []
+    assert any(backlog > 0 for _, backlog, _ in backlogs)
     done = wait_for(client, batch.id)
     assert done.status == "completed" and done.request_counts.completed == 120
     per_engine = rows_per_engine(stack, batch.id)
