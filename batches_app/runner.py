@@ -39,8 +39,9 @@ from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCO
 from projects_app.models import Project
 
 log = logging.getLogger("millm.batches")
-# One line per chunk executed: its batch, the engine and the lines that produced a result, logged
-# when they did, before any record (MILLM_LOG_EXECUTIONS; the tests count executions with it).
+# One line per chunk executed: its batch, the engine, the lines that produced a result and the
+# moment they had (epoch seconds), logged before any record: a line executed after its
+# recorded_at ran again (MILLM_LOG_EXECUTIONS; the tests count executions with it).
 executions = logging.getLogger("millm.batches.executions")
 
 PROGRESS_LOG_S = 5.0
@@ -600,8 +601,8 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None
             log.exception("line %d of %s failed", row.line, row.batch_id)
             outcomes[row.pk] = internal_error()
     if rows:
-        executions.info("executed batch=%s engine=%s lines=%s", rows[0].row.batch_id, rows[0].row.claimed_by,
-                        ",".join(str(pending.row.line) for pending in rows))
+        executions.info("executed batch=%s engine=%s lines=%s at=%.6f", rows[0].row.batch_id, rows[0].row.claimed_by,
+                        ",".join(str(pending.row.line) for pending in rows), time.time())
     packed_ids = {pending.row.pk for pending in packed}
     return [_result(pending.row, endpoint, outcomes[pending.row.pk], pending.row.pk in packed_ids) for pending in rows]
 

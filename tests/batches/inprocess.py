@@ -72,7 +72,7 @@ def executions(caplog, batch_id):
     return runs
 
 
-EXECUTED = re.compile(r"executed batch=(?P<batch>\S+) engine=(?P<engine>\S+) lines=(?P<lines>[\d,]+)")
+EXECUTED = re.compile(r"executed batch=(?P<batch>\S+) engine=(?P<engine>\S+) lines=(?P<lines>[\d,]+) at=[\d.]+")
 
 
 def batch_is(batch_id, status=None, waiting_reason=None):

@@ -41,18 +41,26 @@ def without_ids(body):
 
 
 def assert_ran_once(stack, batch_id, lines, recorded_before, killed=()):
-    """Executions counted, not just results (issue 26): every line of `lines` executed, each one
-    recorded before a kill (`recorded_before`) exactly once in all, and only lines in flight at a
-    kill ran twice: executed by a `killed` engine (or one whose database restarted under it) and
-    not recorded before the kill. A recorded row that ran again would leave its result as it was
-    (`record` writes only pending rows), so only this count sees it. Returns the lines that ran
-    twice."""
+    """Executions counted, not just results (issue 26). A recorded row that ran again would leave
+    its result as it was (`record` writes only pending rows), so only a count of executions sees
+    it. Checked from the engines' `executed` log lines and the rows' recorded_at:
+
+    - every line of `lines` executed, and none executed after it was recorded;
+    - each line recorded before the first kill (`recorded_before`) executed exactly once in all;
+    - only lines in flight at a kill ran twice: executed by a `killed` engine (or one whose
+      database restarted under it) and run again after.
+
+    Returns the lines that ran twice."""
     runs = stack.executions(batch_id)
     assert set(runs) >= set(lines), f"lines that never executed: {sorted(set(lines) - set(runs))}"
-    again = {line: len(engines) for line, engines in runs.items() if line in recorded_before and len(engines) != 1}
-    assert again == {}, f"lines recorded before the kill that executed again (line: executions): {again}"
-    in_flight = {line for line, engines in runs.items() if any(engine in killed for engine in engines)} - set(recorded_before)
-    twice = {line for line, engines in runs.items() if len(engines) > 1}
-    assert twice <= in_flight, (f"lines that ran twice without being in flight at a kill: {sorted(twice - in_flight)} "
-                                f"(in flight: {sorted(in_flight)})")
-    return sorted(twice)
+    recorded_at = {line: at.timestamp() for line, at in stack.sql(
+        "SELECT line, recorded_at FROM batches_app_batchrow WHERE batch_id = %s AND recorded_at IS NOT NULL", [batch_id])}
+    late = {line: [round(at - recorded_at[line], 3) for _, at in executed if at > recorded_at[line]]
+            for line, executed in runs.items() if line in recorded_at}
+    assert {line: after for line, after in late.items() if after} == {}, "lines executed after their record (s after)"
+    again = {line: len(runs[line]) for line in recorded_before if len(runs.get(line, [])) != 1}
+    assert again == {}, f"lines recorded before the first kill that did not execute exactly once: {again}"
+    twice = sorted(line for line, executed in runs.items() if len(executed) > 1)
+    not_in_flight = [line for line in twice if not any(engine in killed for engine, _ in runs[line])]
+    assert not_in_flight == [], f"lines that ran twice without being in flight at a kill: {not_in_flight}"
+    return twice

@@ -166,17 +166,17 @@ class Stack:
         return httpx.get(web.url + "/api/health/detailed", timeout=5).json()["engines"]
 
     def executions(self, batch_id):
-        """{line: [the engine process that executed it, once per execution]}, read from every
-        engine's log, the killed ones' included (`executed batch=... engine=... lines=...`, a line
-        per chunk, written when the chunk ran and before its record)."""
+        """{line: [(the engine process that executed it, when), once per execution]}, read from
+        every engine's log, the killed ones' included (`executed batch=... engine=... lines=...
+        at=<epoch s>`, a line per chunk, written when the chunk ran and before its record)."""
         runs = {}
         for process in self.processes:
             if process.name != "engine":
                 continue
-            for batch, lines in EXECUTED.findall(process.log()):
+            for batch, lines, at in EXECUTED.findall(process.log()):
                 if batch == batch_id:
                     for line in lines.split(","):
-                        runs.setdefault(int(line), []).append(process)
+                        runs.setdefault(int(line), []).append((process, float(at)))
         return runs
 
     def close(self):
@@ -185,7 +185,7 @@ class Stack:
         self.drop_database()
 
 
-EXECUTED = re.compile(r"executed batch=(\S+) engine=\S+ lines=([\d,]+)")
+EXECUTED = re.compile(r"executed batch=(\S+) engine=\S+ lines=([\d,]+) at=([\d.]+)")
 
 
 def answers(url):

@@ -117,7 +117,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
             rng.shuffle(faults)
             traffic = Traffic(webs)
             traffic.start()
-            before_faults, timeline, killed_webs, faulted_engines = {}, [], set(), []
+            before_faults, timeline, killed_webs, faulted_engines, before_first = {}, [], set(), [], None
             try:
                 for turn, fault in enumerate(faults):
                     # Each fault lands a random share into the rows left for it: the batch goes on
@@ -131,6 +131,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
                     time.sleep(rng.uniform(0, pause + 0.05))  # anywhere in a chunk: mid-forward, mid-pause, mid-record
                     snapshot = recorded(stack, batch.id)
                     before_faults.update(snapshot)
+                    before_first = snapshot if before_first is None else before_first
                     at = len(snapshot)
                     status_then = progress(stack, batch.id)[0]
                     fault_started = time.monotonic()
@@ -187,7 +188,7 @@ def run_chaos(tmp_path, model_dir, rows, engine_kills, pause):
             request_ids = {int(row["custom_id"].split("-")[1]) + 1: row["response"]["request_id"] for row in output}
             assert {line: request_ids[line] for line in before_faults} == before_faults
             assert len(set(request_ids.values())) == rows
-            twice = assert_ran_once(stack, batch.id, range(1, rows + 1), before_faults, killed=faulted_engines)
+            twice = assert_ran_once(stack, batch.id, range(1, rows + 1), before_first, killed=faulted_engines)
             print(f"  lines in flight at a fault that ran twice: {twice}")
             assert all(row["response"]["status_code"] == 200 and row["response"]["body"]["choices"] for row in output)
 

@@ -162,12 +162,13 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     ids.start()
     chats.start()
     try:
-        killed, recorded_before = [], {}
+        killed, recorded_before = [], None
         for share in (first_kill, second_kill):
             wait_for(client, batch.id, {"in_progress"}, timeout=180,
                      check=lambda b, share=share: b.request_counts.completed >= share * rows)
             victim = next(p for p in stack.replicas if p.alive)
-            recorded_before.update(recorded(stack, batch.id))
+            if recorded_before is None:
+                recorded_before = recorded(stack, batch.id)  # before the first kill
             victim.kill()
             killed.append(victim)
             if len(killed) == 1:
