@@ -122,11 +122,13 @@ def hold(batch, engine_id, ttl_seconds):
 
 
 def led_by_a_running_engine(lease):
-    """The batch a batch lease was taken for is running, led by a running engine (another
-    replica's leader, SPEC 10c): its lease is no crash's leftover, and this batch waits."""
+    """The batch a batch lease was taken for is unfinished and claimed by a running engine
+    (another replica's leader, SPEC 10c): its lease is no crash's leftover, and this batch waits.
+    A finalizing batch counts: its assembly releases the lease once its files are written (a
+    replica polling meanwhile superseded it, test_replicas_inprocess found)."""
     from batches_app.models import Batch  # models imports this module
 
-    return Batch.objects.filter(pk=lease.holder.removeprefix(HOLDER_PREFIX), status=Batch.Status.IN_PROGRESS,
+    return Batch.objects.filter(pk=lease.holder.removeprefix(HOLDER_PREFIX), status__in=Batch.UNFINISHED,
                                 claimed_by__in=Engine.objects.running().values("pk")).exists()
 
 
