@@ -12,8 +12,19 @@ def register(reader):
         _readers.append(reader)
 
 
-def total_rows():
-    """The rows, or None (never a fake 0) when no app counts them."""
+def by_model():
+    """{model: rows} ("" for validating batches whose model is not known yet), or None (never a
+    fake 0) when no app counts them."""
     if not _readers:
         return None
-    return sum(sum(reader().values()) for reader in _readers)
+    rows = {}
+    for reader in _readers:
+        for (model, _status), count in reader().items():
+            rows[model] = rows.get(model, 0) + count
+    return rows
+
+
+def total_rows():
+    """The rows, or None when no app counts them."""
+    rows = by_model()
+    return None if rows is None else sum(rows.values())

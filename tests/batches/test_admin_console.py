@@ -112,3 +112,14 @@ def test_a_running_batch_page_leads_with_its_pace_and_groups_the_rest(admin_clie
     for group in ("Files", "Times", "Options", "Internals"):
         assert re.search(rf'class="fieldset-heading">{group}</h2>', page), group
     assert page.index("field-status") < page.index("field-claim_token")
+
+
+def test_the_index_shows_the_engines_and_the_batch_backlog_by_model(admin_client):
+    running = BatchFactory(status=Batch.Status.IN_PROGRESS, model="tiny-llama", total=3)
+    for line, outcome in ((1, BatchRow.Outcome.SUCCEEDED), (2, BatchRow.Outcome.PENDING), (3, BatchRow.Outcome.PENDING)):
+        BatchRowFactory(batch=running, line=line, outcome=outcome)
+    BatchRowFactory(batch=BatchFactory(), line=1)  # a validating batch: its model is not known yet
+    index = admin_client.get("/admin/").content.decode()
+    assert 'id="engine-health"' in index
+    (backlog,) = re.findall(r'<p id="batch-backlog">(.*?)</p>', index)
+    assert backlog == "Batch rows not yet run: <strong>3</strong> ((validating): 1, tiny-llama: 2)"
