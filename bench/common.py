@@ -14,6 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+# The parts' goals (packed equals single, batched rows equal serial ones) are float32 promises:
+# the bench measures in float32 unless MILLM_DTYPE says otherwise (`auto` would pick bfloat16 on
+# a CPU with native bfloat16). The stacks it starts inherit it.
+os.environ.setdefault("MILLM_DTYPE", "float32")
 
 
 def setup_django():

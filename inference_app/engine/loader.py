@@ -5,6 +5,7 @@ is written once to a conversion cache under MILLM_DATA_DIR, so a second start lo
 safetensors instead of de-quantizing again.
 """
 
+import functools
 import hashlib
 import json
 import logging
@@ -44,11 +45,34 @@ def pick_device(setting=None):
     return torch.device(setting)
 
 
-def pick_dtype(device, setting=None):
+# CPU flags of native bfloat16 arithmetic (SPEC 7a): AVX-512 BF16 and AMX's tiles.
+NATIVE_BFLOAT16 = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def pick_dtype(device, setting=None, flags=None):
+    """MILLM_DTYPE: `auto` is bfloat16 on CUDA and on a CPU with native bfloat16 (`flags`: the
+    CPU's, from /proc/cpuinfo), float32 elsewhere; any other setting is that dtype."""
     setting = setting or settings.MILLM_DTYPE
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, setting)
+    if setting != "auto":
+        return getattr(torch, setting)
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and NATIVE_BFLOAT16 & (cpu_flags() if flags is None else set(flags)):
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def cpu_flags():
+    """The CPU's feature flags as Linux lists them (none where there is no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 def load_model(source, device=None, dtype=None):
