@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 
 from django.db import connection, models, transaction
-from django.db.models import Case, Count, Exists, F, OuterRef, Q, Sum, When
+from django.db.models import Case, Count, Exists, F, OuterRef, Q, Sum, Value, When
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -38,6 +38,14 @@ log = logging.getLogger("millm.batches")
 QUEUED_ROWS = Case(
     When(status="validating", total=0, then=F("input_file__line_count")),
     default=F("total") - F("completed") - F("failed"),
+)
+
+
+# A batch let go of: one whose rows wait keeps the reason it had, or says `queued` (the sweep
+# refines it to `model_not_resident` when no engine serves its model); others keep theirs.
+WAITING_ONCE_UNCLAIMED = Case(
+    When(status="in_progress", end_status__isnull=True, then=Coalesce("waiting_reason", Value("queued"))),
+    default=F("waiting_reason"),
 )
 
 
@@ -127,14 +135,15 @@ class BatchQuerySet(OwnedQuerySet):
         same_seat = list(Engine.objects.filter(model_id=model_id).filter(Q(seat=seat) | Q(seat__isnull=True))
                          .exclude(pk=engine_id).values_list("pk", flat=True))
         BatchRow.objects.release_claims_of(same_seat)
-        released = self.unfinished().filter(claimed_by__in=same_seat).update(claimed_by=None, claim_token=None)
+        released = self.unfinished().filter(claimed_by__in=same_seat).update(
+            claimed_by=None, claim_token=None, waiting_reason=WAITING_ONCE_UNCLAIMED)
         return released + self.release_stale_claims()
 
     def release_stale_claims(self):
         """Claims of engines no longer running (never a running engine's): batches and rows."""
         BatchRow.objects.release_dead_claims()
         return self.unfinished().exclude(claimed_by=None).exclude(claimed_by__in=_running_engines()).update(
-            claimed_by=None, claim_token=None
+            claimed_by=None, claim_token=None, waiting_reason=WAITING_ONCE_UNCLAIMED
         )
 
     # --- the sweep over unclaimed batches ---
@@ -414,8 +423,10 @@ class Batch(models.Model):
 
     def release_claim(self):
         """Unclaimed, to be picked up again by its status; a runner fenced out releases nothing
-        (the batch is another engine's now)."""
-        Batch.objects.filter(pk=self.pk, claim_token=self.claim_token).update(claimed_by=None, claim_token=None)
+        (the batch is another engine's now). A batch whose rows wait says why (`queued` unless a
+        reason was recorded; the sweep refines it)."""
+        Batch.objects.filter(pk=self.pk, claim_token=self.claim_token).update(
+            claimed_by=None, claim_token=None, waiting_reason=WAITING_ONCE_UNCLAIMED)
 
     def set_waiting(self, reason):
         if self.waiting_reason != reason:

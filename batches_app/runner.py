@@ -257,6 +257,8 @@ class BatchRunner:
         self.parsed.clear()
         self.lengths.clear()
         self.rows_run = 0
+        if verdict in ("wait", "release"):  # let go at its claim: nothing runs, no helper is wanted
+            return "waiting" if verdict == "wait" else "released"
         self._report_work(batch, leading)
         if leading:
             await self._wake_replicas(batch)  # it has a leader now: the others may help at once
@@ -335,9 +337,12 @@ class BatchRunner:
             batch.mark_ending(Batch.Status.EXPIRED)
             return "assemble"
         runtime = self.worker.runtime
-        if runtime is None or runtime.model_id != batch.model or self.worker.swapping:
-            # Not resident, or being loaded or unloaded (the seed's `model_not_resident`).
+        if runtime is None or runtime.model_id != batch.model:
             verdict, reason = "release", Batch.Waiting.MODEL_NOT_RESIDENT
+        elif self.worker.swapping:
+            # Being loaded or unloaded (the seed's `model_not_resident` too): wait for the swap's
+            # end (it wakes the runner) rather than claim the batch again at once.
+            verdict, reason = "wait", Batch.Waiting.MODEL_NOT_RESIDENT
         elif self.worker.weights_torn:
             # An edit is mid-write: no row runs until a commit or a load (SPEC 10, "Waiting").
             verdict, reason = "wait", Batch.Waiting.WEIGHTS_TORN

@@ -327,10 +327,11 @@ class BodyLimitASGI:
             (b"x-should-retry", b"false"),
             (b"connection", b"close"),
         ]
+        # Answered here, not by Django: counted as every other answer is (RequestIdMiddleware),
+        # before the send, which fails when the client has gone.
+        metrics.requests_total.labels(_route_of(scope["path"]), scope["method"], str(error.status)).inc()
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        # Answered here, not by Django: counted as every other answer is (RequestIdMiddleware).
-        metrics.requests_total.labels(_route_of(scope["path"]), scope["method"], str(error.status)).inc()
 
 
 def _route_of(path):

@@ -176,6 +176,7 @@ class Presence:
             "role": self.role,
             "resident_model_id": runtime.model_id if runtime else None,
             "loading_model_id": worker.residency.loading_model_id,
+            "swapping": worker.residency.swapping,  # repairs a reset that failed at a swap's end
             "weights_state": Engine.Weights.TORN if runtime and worker.weights_torn else Engine.Weights.CLEAN,
             "queue_waiting": worker.slot.waiting,
             "in_flight": worker.slot.holding,

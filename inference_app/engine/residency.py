@@ -164,12 +164,11 @@ class Residency:
                 return
             self.loading_model_id, self.swapping = model_id, True
             try:
-                await sync_to_async(Engine.objects.begin_swap)(engine_id, model_id)
-                await self.worker.swap_begins()
+                await self._announce_swap(Engine.objects.begin_swap, engine_id, model_id)
                 seconds = await self._swap_under_the_slot(model_id, startup)
             finally:
                 self.loading_model_id, self.swapping = None, False
-                await sync_to_async(Engine.objects.end_swap)(engine_id)
+                await self._announce_swap(Engine.objects.end_swap, engine_id)
                 self.worker.wake()  # the batches of the model now resident may run
             if current:
                 await self._model_event("model:unload:complete", current)
@@ -177,6 +176,17 @@ class Residency:
                 await self._model_event("model:load:complete", model_id, seconds=seconds)
             log.info("engine %s: %s in %.1f s", engine_id,
                      f"loaded {model_id}" if model_id else f"unloaded {current}", seconds)
+
+    async def _announce_swap(self, write, *args):
+        """The engine row's `swapping` written (the heartbeat writes it again if this fails) and,
+        at the start, the companions told; best effort: a database blip never aborts a load."""
+        try:
+            await sync_to_async(write)(*args)
+            if self.swapping:
+                await self.worker.swap_begins()
+        except Exception:
+            log.warning("could not announce the swap's %s; the next heartbeat does",
+                        "start" if self.swapping else "end", exc_info=True)
 
     async def _swap_under_the_slot(self, model_id, startup):
         """The load or unload itself, holding the whole slot; returns its seconds."""

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 OTHER = "tiny-other"  # a second catalogue entry with the tiny model's weights
 NOT_RESIDENT = Batch.Waiting.MODEL_NOT_RESIDENT
+LOAD_S = 3.5  # the swap's load: it ends well after the running chunk (2 s) let go of its batch
 
 
 def waiting_batch(bodies, model=MODEL, reason=Batch.Waiting.QUEUED):
@@ -80,7 +81,7 @@ def test_a_claimed_batch_shows_no_reason_while_its_long_first_row_runs(start_eng
 
 def test_a_swap_makes_its_models_waiting_batches_say_model_not_resident_until_it_ends(start_engine, settings,
                                                                                       monkeypatch, resident):
-    settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S = 1.0  # each chunk of `running` holds its rows a second
+    settings.BATCH_TEST_PAUSE_BEFORE_RECORD_S = 2.0  # each chunk of `running` holds its rows two seconds
     engine = start_engine()
     ModelEntry.objects.create(id=OTHER, source=ModelEntry.objects.get(pk=MODEL).source, source_format="folder")
     running = waiting_batch([generation(f"Run {line}") for line in range(1, 9)])
@@ -89,7 +90,7 @@ def test_a_swap_makes_its_models_waiting_batches_say_model_not_resident_until_it
     progress = Progress(running, queued, other)
 
     def slow_load(source):
-        time.sleep(1.0)  # a load takes time: the batches are looked at meanwhile
+        time.sleep(LOAD_S)  # a load takes time, longer than a chunk: the batches are looked at meanwhile
         return resident.loaded
 
     monkeypatch.setattr(residency, "load_model", slow_load)
@@ -103,7 +104,7 @@ def test_a_swap_makes_its_models_waiting_batches_say_model_not_resident_until_it
     assert all(row["running"][1] in (None, NOT_RESIDENT) and (row["running"][1] is None) == (row["running"][0] is not None)
                for row in during)  # claimed with no reason, or let go with the reason
     assert during[-1]["running"] == (None, NOT_RESIDENT)
-    assert swap_seconds >= 1.0
+    assert swap_seconds >= LOAD_S
     # After it: the batch of the model now resident ran; the others wait, not resident.
     for batch, expected in ((running, NOT_RESIDENT), (queued, NOT_RESIDENT)):
         batch.refresh_from_db()
@@ -133,7 +134,7 @@ async def _swap_while_running(worker, running, queued, other):
         started = time.monotonic()
         swap = asyncio.create_task(worker.residency.swap(OTHER))
         # At once: while that chunk still runs (its claim held), not when the runner next looks.
-        await _until(lambda: state(queued)[1] == NOT_RESIDENT, timeout=0.5)
+        await _until(lambda: state(queued)[1] == NOT_RESIDENT, timeout=1.0)
         assert (await sync_to_async(state)(running))[0] is not None, "the running chunk ended before the queued batch said why it waits"
         during = []
         while not swap.done():
