@@ -605,7 +605,7 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None
             # A row that breaks the service must not break the batch (nor run forever).
             log.exception("line %d of %s failed", row.line, row.batch_id)
             outcomes[row.pk] = internal_error()
-    if rows:
+    if rows and executions.isEnabledFor(logging.INFO):  # off by default: no join per chunk
         executions.info("executed batch=%s engine=%s lines=%s at=%.6f", rows[0].row.batch_id, rows[0].row.claimed_by,
                         ",".join(str(pending.row.line) for pending in rows), time.time())
     packed_ids = {pending.row.pk for pending in packed}

@@ -14,8 +14,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import URLResolver, get_resolver
 
-from tests.batches.test_admin import in_progress
 from tests.conftest import ROOT
+from tests.factories import BatchFactory
 
 from batches_app.models import Batch
 
@@ -76,7 +76,7 @@ def storage_in_tmp(settings, tmp_path):
 
 @pytest.mark.django_db
 def test_the_admin_refuses_a_cross_site_post_and_a_frame(staff):
-    batch = in_progress("batch_" + secrets.token_hex(12))
+    batch = BatchFactory(status=Batch.Status.IN_PROGRESS, total=1)
     page = staff.get(f"/admin/batches_app/batch/{quote(batch.pk)}/change/")
     assert page.status_code == 200
     assert page.headers["X-Frame-Options"] == "DENY"

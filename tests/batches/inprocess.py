@@ -6,7 +6,6 @@ engine."""
 import asyncio
 import json
 import logging
-import re
 import time
 
 from asgiref.sync import sync_to_async
@@ -14,6 +13,7 @@ from django.db import connections
 
 from batches_app.models import Batch, BatchRow
 from batches_app.runner import PendingRow, execute_rows
+from tests.e2e.stack import EXECUTED
 
 ENDED = (Batch.Status.COMPLETED, Batch.Status.FAILED, Batch.Status.EXPIRED, Batch.Status.CANCELLED)
 MODEL = "tiny-llama"  # the test model's id (its folder's name)
@@ -65,14 +65,13 @@ def executions(caplog, batch_id):
     logged when it ran, before its record); `caplog` must hear millm.batches.executions at INFO."""
     runs = {}
     for record in caplog.records:
-        found = EXECUTED.fullmatch(record.getMessage()) if record.name == "millm.batches.executions" else None
+        found = EXECUTED.search(record.getMessage()) if record.name == "millm.batches.executions" else None
         if found and found["batch"] == batch_id:
             for line in found["lines"].split(","):
                 runs.setdefault(int(line), []).append(found["engine"])
     return runs
 
 
-EXECUTED = re.compile(r"executed batch=(?P<batch>\S+) engine=(?P<engine>\S+) lines=(?P<lines>[\d,]+) at=[\d.]+")
 
 
 def batch_is(batch_id, status=None, waiting_reason=None):

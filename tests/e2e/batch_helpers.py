@@ -4,7 +4,10 @@ import io
 import json
 import time
 
+from tests.e2e.conftest import MODEL_ID
+
 FINISHED = {"completed", "failed", "expired", "cancelled"}
+CHAT, COMPLETIONS, EMBEDDINGS, PROBES = "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score"
 
 
 def line(custom_id, url, body, method="POST"):
@@ -64,3 +67,20 @@ def assert_ran_once(stack, batch_id, lines, recorded_before, killed=()):
     not_in_flight = [line for line in twice if not any(engine in killed for engine, _ in runs[line])]
     assert not_in_flight == [], f"lines that ran twice without being in flight at a kill: {not_in_flight}"
     return twice
+
+
+def provenance(headers):
+    """The X-miLLM-* headers, by lower-case name."""
+    return {name.lower(): value for name, value in headers.items() if name.lower().startswith("x-millm-")}
+
+
+def bodies(endpoint, count):
+    """`count` request bodies of `endpoint` (the probe-score ones name no model)."""
+    if endpoint == CHAT:
+        return [{"model": MODEL_ID, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 6,
+                 "temperature": 0, "seed": i} for i in range(count)]
+    if endpoint == COMPLETIONS:
+        return [{"model": MODEL_ID, "prompt": f"Number {i} is", "max_tokens": 1, "logprobs": 3} for i in range(count)]
+    if endpoint == EMBEDDINGS:
+        return [{"model": MODEL_ID, "input": [f"text {i}", "more"], "pooling": "last"} for i in range(count)]
+    return [{"inputs": [{"text": f"probe me {i}"}], "windows": ["all"]} for i in range(count)]

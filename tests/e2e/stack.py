@@ -173,10 +173,10 @@ class Stack:
         for process in self.processes:
             if process.name != "engine":
                 continue
-            for batch, lines, at in EXECUTED.findall(process.log()):
-                if batch == batch_id:
-                    for line in lines.split(","):
-                        runs.setdefault(int(line), []).append((process, float(at)))
+            for found in EXECUTED.finditer(process.log()):
+                if found["batch"] == batch_id:
+                    for line in found["lines"].split(","):
+                        runs.setdefault(int(line), []).append((process, float(found["at"])))
         return runs
 
     def close(self):
@@ -185,7 +185,8 @@ class Stack:
         self.drop_database()
 
 
-EXECUTED = re.compile(r"executed batch=(\S+) engine=\S+ lines=([\d,]+) at=([\d.]+)")
+# The engine's audit line of a chunk executed (batches_app/runner.py, MILLM_LOG_EXECUTIONS).
+EXECUTED = re.compile(r"executed batch=(?P<batch>\S+) engine=(?P<engine>\S+) lines=(?P<lines>[\d,]+) at=(?P<at>[\d.]+)")
 
 
 def answers(url):

@@ -4,26 +4,10 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.batch_helpers import line, read_jsonl, start_batch, to_jsonl, wait_for, without_ids
+from tests.e2e.batch_helpers import (CHAT, COMPLETIONS, EMBEDDINGS, PROBES, bodies, line, provenance, read_jsonl,
+                                     start_batch, to_jsonl, wait_for, without_ids)
 from tests.e2e.conftest import MODEL_ID
 from tests.e2e.test_probes import probe_body
-
-CHAT, COMPLETIONS, EMBEDDINGS, PROBES = "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/api/probes/score"
-
-
-def provenance(headers):
-    return {name.lower(): value for name, value in headers.items() if name.lower().startswith("x-millm-")}
-
-
-def bodies(endpoint, count):
-    if endpoint == CHAT:
-        return [{"model": MODEL_ID, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 6,
-                 "temperature": 0, "seed": i} for i in range(count)]
-    if endpoint == COMPLETIONS:
-        return [{"model": MODEL_ID, "prompt": f"Number {i} is", "max_tokens": 1, "logprobs": 3} for i in range(count)]
-    if endpoint == EMBEDDINGS:
-        return [{"model": MODEL_ID, "input": [f"text {i}", "more"], "pooling": "last"} for i in range(count)]
-    return [{"inputs": [{"text": f"probe me {i}"}], "windows": ["all"]} for i in range(count)]
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ exactness promise holds; this stack asks for bfloat16 by name.)"""
 import httpx
 import pytest
 
-from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for, without_ids
+from tests.e2e.batch_helpers import (CHAT, COMPLETIONS, EMBEDDINGS, bodies, line, provenance, read_jsonl, start_batch,
+                                     wait_for, without_ids)
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.stack import Stack
-from tests.e2e.test_batches import CHAT, COMPLETIONS, EMBEDDINGS, bodies, provenance
 
 
 @pytest.fixture(scope="module")
