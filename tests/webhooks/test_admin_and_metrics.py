@@ -5,6 +5,7 @@ deliveries counted by status."""
 import re
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.utils import timezone
 
 from inference_app import metrics
@@ -27,7 +28,7 @@ def test_the_admin_shows_a_failed_delivery_and_retries_it_now(admin_client):
     assert delivery.status == "failed"
     listed = admin_client.get("/admin/webhooks_app/delivery/?status__exact=failed").content.decode()
     assert delivery.id in listed and "404" in listed and "batch.failed" in listed
-    page = admin_client.get(f"/admin/webhooks_app/delivery/{delivery.id}/change/").content.decode()
+    page = admin_client.get(f"/admin/webhooks_app/delivery/{quote(delivery.id)}/change/").content.decode()
     assert "no such hook" in page and 'name="_save"' not in page  # read, never edited
 
     done = admin_client.post("/admin/webhooks_app/delivery/", {"action": "retry_now", "_selected_action": [delivery.id]})
@@ -41,7 +42,7 @@ def test_the_admin_lists_endpoints_with_a_hint_never_the_secret_and_has_no_add(a
     endpoint, _ = failed_delivery()
     listed = admin_client.get("/admin/webhooks_app/webhookendpoint/").content.decode()
     assert endpoint.secret_hint in listed and endpoint.secret not in listed
-    page = admin_client.get(f"/admin/webhooks_app/webhookendpoint/{endpoint.id}/change/").content.decode()
+    page = admin_client.get(f"/admin/webhooks_app/webhookendpoint/{quote(endpoint.id)}/change/").content.decode()
     assert endpoint.secret not in page
     assert admin_client.get("/admin/webhooks_app/webhookendpoint/add/").status_code == 403
     assert admin_client.get("/admin/webhooks_app/delivery/add/").status_code == 403
