@@ -7,9 +7,11 @@ from millm_lib.limits import CHAT
 IGNORED_FIELDS_MAX_BYTES = 1024
 
 
-def system_fingerprint(model_id, revision, dtype, quantization):
-    """SPEC 3: millm:<model id>@<revision or unrecorded>:<dtype>/<quant or none>:transformers."""
-    return f"millm:{model_id}@{revision or 'unrecorded'}:{dtype}/{quantization or 'none'}:transformers"
+def system_fingerprint(model_id, revision, dtype, quantization, weights="dense"):
+    """SPEC 3: millm:<model id>@<revision or unrecorded>:<dtype>/<quant or none>[+packed]:transformers
+    (`+packed`: the quantized tensors run from their packed blocks, SPEC 7a)."""
+    packed = "+packed" if weights == "packed" else ""
+    return f"millm:{model_id}@{revision or 'unrecorded'}:{dtype}/{quantization or 'none'}{packed}:transformers"
 
 
 def provenance_headers(model_id, endpoint, request=None, ignored=()):

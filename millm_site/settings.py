@@ -141,6 +141,8 @@ MILLM_MODEL = envstr("MILLM_MODEL")  # None: the packaged SmolLM2 GGUF
 MILLM_MODEL_ID = envstr("MILLM_MODEL_ID")
 MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
 MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
+# What a GGUF's Q4_0/Q4_1/Q8_0 projections run from (SPEC 7a, inference_app/engine/quantized.py).
+MILLM_WEIGHTS = envchoice("MILLM_WEIGHTS", "auto", ["auto", "dense", "quantized"])
 MILLM_STORAGE = envchoice("MILLM_STORAGE", "filesystem", ["filesystem", "s3"])
 MILLM_API_KEYS = envlist("MILLM_API_KEYS")
 # Browser origins other than the site's own that may open the WebSocket and Socket.IO

@@ -21,6 +21,7 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_app.catalogue import ModelSource
+from inference_app.engine import quantized
 from inference_app.models import ModelEntry
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     revision: str | None
+    weights: str = "dense"  # "packed" when a GGUF's quantized tensors run packed (quantized.py)
 
 
 def pick_device(setting=None):
@@ -75,11 +77,27 @@ def cpu_flags():
     return frozenset()
 
 
-def load_model(source, device=None, dtype=None):
+def pick_weights(device, setting=None, dtype_setting=None):
+    """MILLM_WEIGHTS: what a GGUF's Q4_0/Q4_1/Q8_0 projections run from. `dense` (the
+    de-quantized weights), `quantized` (packed at every width), `auto` (packed where the kernel
+    measures faster at load, per shape and width) except under an explicit MILLM_DTYPE=float32,
+    which stays the exact reference. The packed kernel is torch's CPU one: dense elsewhere."""
+    setting = setting or settings.MILLM_WEIGHTS
+    dtype_setting = dtype_setting or settings.MILLM_DTYPE
+    if setting == "dense" or device.type != "cpu":
+        return "dense"
+    if setting == "auto" and dtype_setting == "float32":
+        return "dense"
+    return setting
+
+
+def load_model(source, device=None, dtype=None, weights=None):
     """1. Find the folder to load (the source, or the GGUF's conversion cache, built if missing).
-    2. Load tokenizer and weights from it, cast to the dtype, move to the device, eval mode."""
+    2. Load tokenizer and weights from it, cast to the dtype, move to the device, eval mode.
+    3. A GGUF's quantized projections run packed where `weights` (pick_weights) says so."""
     device = device or pick_device()
     dtype = dtype or pick_dtype(device)
+    weights = weights or pick_weights(device)
     started = time.monotonic()
     if source.format == ModelEntry.Format.GGUF:
         folder, revision = _gguf_cache(source)
@@ -90,8 +108,13 @@ def load_model(source, device=None, dtype=None):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.to(device)
     model.eval()
-    log.info("loaded %s in %.1f s", source.model_id, time.monotonic() - started)
-    return LoadedModel(source, model, tokenizer, device, dtype, revision)
+    form = "dense"
+    if source.format == ModelEntry.Format.GGUF and weights != "dense":
+        packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
+        form = packing.label
+    log.info("loaded %s in %.1f s (%s, %s weights)", source.model_id, time.monotonic() - started,
+             str(dtype).removeprefix("torch."), form)
+    return LoadedModel(source, model, tokenizer, device, dtype, revision, form)
 
 
 def _folder_revision(folder):

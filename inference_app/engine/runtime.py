@@ -31,15 +31,18 @@ class ResidentModel:
         self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(config.vocab_size)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
-        self.fingerprint = system_fingerprint(
-            self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization
-        )
+        self.fingerprint = self._fingerprint()
 
     def rename(self, model_id, revision):
         """A save made these weights a checkpoint: the id and fingerprint they answer under change."""
         self.model_id = model_id
         self.loaded.revision = revision
-        self.fingerprint = system_fingerprint(model_id, revision, self.dtype_name, self.loaded.source.quantization)
+        self.fingerprint = self._fingerprint()
+
+    def _fingerprint(self):
+        loaded = self.loaded
+        return system_fingerprint(self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization,
+                                  loaded.weights)
 
     @property
     def dtype_name(self):

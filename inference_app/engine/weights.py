@@ -9,9 +9,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import safetensors
 import safetensors.torch
 import torch
 
+from inference_app.engine import quantized
 from inference_app.engine.loader import file_digest
 from millm_lib.errors import ApiError
 
@@ -72,6 +74,7 @@ def write(model, tensors):
     check(own, tensors)
     for name, tensor in tensors.items():
         own[name].copy_(tensor.to(device=own[name].device, dtype=own[name].dtype))
+    quantized.unpack_changed(model, [own[name] for name in tensors])  # an edited tensor runs dense
     return sorted(tensors)
 
 
@@ -98,12 +101,31 @@ def stage(model, data_dir):
 
 @torch.no_grad()
 def apply_checkpoint(model, path):
-    """Put a checkpoint's tensors over a freshly loaded base model; every name must match."""
+    """Put a checkpoint's tensors over a freshly loaded base model; every name must match. A
+    packed projection whose tensor the checkpoint changed runs dense; the others stay packed."""
+    changed = _changed_tensors(model, path)
     missing, unexpected = safetensors.torch.load_model(model, str(path), strict=False, device=str(_device_of(model)))
     if unexpected:
         raise ValueError(f"the checkpoint {path} has tensors its base model lacks: {', '.join(unexpected[:5])}")
     if missing:
         raise ValueError(f"the checkpoint {path} lacks tensors of its base model: {', '.join(missing[:5])}")
+    quantized.unpack_changed(model, changed)
+
+
+def _changed_tensors(model, path):
+    """The packed modules' weights that the checkpoint at `path` holds with other values."""
+    packed = {module.weight.data_ptr() for module in quantized.packed_modules(model)}
+    if not packed:
+        return []
+    changed = []
+    with safetensors.safe_open(str(path), "pt") as handle:
+        names = set(handle.keys())
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() in packed and name in names:
+                packed.discard(tensor.data_ptr())
+                if not torch.equal(handle.get_tensor(name).to(tensor.dtype), tensor):
+                    changed.append(tensor)
+    return changed
 
 
 def _device_of(model):

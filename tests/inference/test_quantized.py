@@ -1,0 +1,163 @@
+"""Packed GGUF weights (SPEC 7a): the file's own values through torch's int4 kernel, on the
+tiny model (its weights quantized to real GGUF blocks) and on the packaged GGUF's tensors."""
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+
+from inference_app.catalogue import model_source
+from inference_app.engine import quantized, weights
+from inference_app.engine.loader import load_model, pick_weights
+from inference_app.engine.runtime import ResidentModel
+
+KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def kernel_tolerance(x, weight):
+    """bfloat16 rounding of the activations and of the product: what a dense bfloat16 matmul
+    of the same values is also off by."""
+    return 4 * torch.finfo(torch.bfloat16).eps * float((x.abs() @ weight.abs().t()).max())
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_the_int4_halves_are_the_files_own_values_and_the_kernel_multiplies_by_them(kind):
+    generator = np.random.default_rng(7)
+    dense = generator.normal(size=(96, 128)).astype(np.float32)
+    blocks = quants.quantize(dense, kind)
+    parts = quantized.halves(kind, blocks)
+    # gguf's own de-quantization is the value the file means; the halves give it exactly.
+    assert torch.equal(quantized.dequantized(parts), torch.from_numpy(quants.dequantize(blocks, kind)))
+
+    file_weight = quantized.dequantized(parts)
+    linear = torch.nn.Linear(128, 96, bias=False)
+    linear.weight.data.copy_(file_weight)
+    packed = quantized.PackedLinear(linear, parts, None)
+    x = torch.randn(5, 128)
+    with torch.inference_mode():
+        assert (packed(x) - F.linear(x, file_weight)).abs().max() <= kernel_tolerance(x, file_weight)
+
+
+def test_auto_packs_except_under_the_float32_reference_or_off_the_cpu():
+    assert pick_weights(CPU, "auto", "auto") == "auto"
+    assert pick_weights(CPU, "auto", "bfloat16") == "auto"
+    assert pick_weights(CPU, "auto", "float32") == "dense"  # the exact reference stays dense
+    assert pick_weights(CPU, "quantized", "float32") == "quantized"
+    assert pick_weights(CPU, "dense", "auto") == "dense"
+    assert pick_weights(CUDA, "quantized", "auto") == "dense"  # torch's int4 kernel here is CPU-only
+
+
+def with_file_values(model, cache):
+    """Replace the tiny model's projections by Q4_1 blocks (the token embedding, also the tied
+    head, by Q8_0): the weights become the blocks' values, and the blocks are written as the
+    block cache the loader keeps beside a GGUF's conversion."""
+    names = quantized.gguf_names(model, {f"{name}.weight": None for name in _all_gguf_names(model)})
+    tensors, kinds = {}, {}
+    for module_name, gguf_name in names.items():
+        module = model.get_submodule(module_name)
+        kind = GGMLQuantizationType.Q8_0 if gguf_name.startswith("token_embd") else GGMLQuantizationType.Q4_1
+        blocks = quants.quantize(module.weight.detach().float().numpy(), kind)
+        with torch.no_grad():
+            module.weight.copy_(torch.from_numpy(quants.dequantize(blocks, kind)))
+        tensors[gguf_name], kinds[gguf_name] = blocks, kind.name
+    safetensors.numpy.save_file(tensors, str(cache), metadata=kinds)
+    return model
+
+
+@pytest.fixture
+def tiny_packed(test_model_dir, tmp_path):
+    loaded = load_model(model_source(str(test_model_dir)), weights="dense")
+    cache = tmp_path / "millm-blocks.safetensors"
+    with_file_values(loaded.model, cache)
+    return loaded, cache
+
+
+def _all_gguf_names(model):
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == model.config.model_type)
+    name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    return {name_map.get_name(name) for name, _ in model.named_modules() if name_map.get_name(name)}
+
+
+def test_a_packed_tiny_model_answers_like_its_dense_self(tiny_packed):
+    loaded, cache = tiny_packed
+    model = loaded.model
+    prompt = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.inference_mode():
+        dense = model(input_ids=prompt).logits[0, -1]
+        packing = quantized.pack(model, None, "quantized", cache=cache)
+        packed = model(input_ids=prompt).logits[0, -1]
+    layers = model.config.num_hidden_layers
+    assert packing.packed == packing.candidates == 7 * layers + 1  # q k v o gate up down, and the head
+    assert isinstance(model.lm_head, quantized.PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    assert packing.packed_bytes > 0 and packing.label == "packed"
+    # One 4-bit model, two arithmetics: within bfloat16's rounding, not equal to the bit.
+    assert not torch.equal(dense, packed)
+    assert float((dense - packed).abs().max()) < 0.02 * float(dense.abs().max())
+
+
+def test_an_edited_tensor_runs_dense_from_then_on_and_the_rest_stay_packed(tiny_packed):
+    loaded, cache = tiny_packed
+    model = loaded.model
+    quantized.pack(model, None, "quantized", cache=cache)
+    before = len(quantized.packed_modules(model))
+    target = model.model.layers[0].mlp.down_proj
+    edited = torch.randn_like(target.weight)
+    written = weights.write(model, {"model.layers.0.mlp.down_proj.weight": edited})
+    assert written == ["model.layers.0.mlp.down_proj.weight"]
+    assert not target.packed and len(quantized.packed_modules(model)) == before - 1
+    x = torch.randn(1, 3, target.in_features)
+    with torch.inference_mode():
+        assert torch.equal(target(x), F.linear(x, edited))  # the edit itself, not the stale blocks
+
+
+def test_a_checkpoint_keeps_packed_what_it_left_alone(tiny_packed, test_model_dir, tmp_path):
+    loaded, cache = tiny_packed
+    quantized.pack(loaded.model, None, "quantized", cache=cache)
+    weights.write(loaded.model, {"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 64)})
+    folder, _ = weights.stage(loaded.model, tmp_path)
+
+    base = with_file_values(load_model(model_source(str(test_model_dir)), weights="dense").model, cache)
+    quantized.pack(base, None, "quantized", cache=cache)
+    edited = base.model.layers[1].self_attn.o_proj
+    assert len(quantized.packed_modules(base)) == len(quantized.packed_modules(loaded.model)) + 1
+    weights.apply_checkpoint(base, folder / weights.CHECKPOINT_FILE)
+    assert not edited.packed and torch.equal(edited.weight, torch.zeros(64, 64))
+    assert len(quantized.packed_modules(base)) == len(quantized.packed_modules(loaded.model))
+
+
+@pytest.fixture
+def default_source(settings):
+    settings.MILLM_MODEL = None
+    settings.MILLM_MODEL_ID = None
+    return model_source()
+
+
+def test_the_packaged_ggufs_tensors_run_packed_and_still_answer(default_source):
+    loaded = load_model(default_source, weights="quantized")
+    model = loaded.model
+    packed = quantized.packed_modules(model)
+    # 30 layers of 7 Q4_1 projections, and the Q8_0 token embedding as the tied head.
+    assert len(packed) == 211 and loaded.weights == "packed"
+    runtime = ResidentModel(loaded)
+    assert runtime.fingerprint.endswith(":float32/Q4_1+packed:transformers")
+    for module in (model.model.layers[0].self_attn.q_proj,  # rows permuted by transformers
+                   model.model.layers[29].mlp.down_proj, model.lm_head):
+        x = torch.randn(3, module.in_features)
+        with torch.inference_mode():
+            difference = (module(x) - F.linear(x, module.weight)).abs().max()
+            assert difference <= kernel_tolerance(x, module.weight), module
+    from inference_app.engine import services
+    from inference_app.schemas import parse_request
+
+    parsed = parse_request(
+        "/v1/chat/completions",
+        {"model": runtime.model_id, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "max_tokens": 12, "temperature": 0},
+        strict=True,
+    )
+    assert "Paris" in services.run(runtime, parsed).body["choices"][0]["message"]["content"]
