@@ -4,7 +4,7 @@ bench/results/, the README's results section and the packing chart (docs/bench/p
     python -m bench [PART ...] [--quick] [--no-readme]
 
 PART is any of pipeline, overhead, interactive, interactive-batched, roundtrip, packing, memory,
-generation, concurrency (default: all, in that order). --quick runs each at a tiny size on the
+generation, concurrency, peers (default: all, in that order). --quick runs each at a tiny size on the
 tiny test model (what the smoke test runs): the figures say nothing then, so --quick never
 rewrites the README. concurrency's llama.cpp baseline needs the bench extra's xllamacpp.
 """
@@ -24,8 +24,8 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency", "decoders", "cpu_levers", "retention", "replicas"]
-RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "replicas",
+         "concurrency", "decoders", "cpu_levers", "retention", "replicas", "peers"]
+RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "peers", "replicas",
              "overhead", "roundtrip", "memory", "packing", "decoders", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
@@ -61,6 +61,7 @@ def sizes(part, quick, tiny):
             "cpu_levers": ["--max-tokens", "64", "--repeats", "3"],
             "retention": ["--rows", "10000"],
             "replicas": ["--rows", "240", "--max-tokens", "16", "--scoring-rows", "1200", "--repeats", "3"],
+            "peers": ["--modes", "auto", "--repeats", "3"],
         }[part]
     model = ["--model", tiny]
     return {
@@ -79,6 +80,8 @@ def sizes(part, quick, tiny):
         "retention": ["--rows", "20", *model],
         "replicas": ["--rows", "8", "--max-tokens", "4", "--scoring-rows", "32", "--repeats", "1", "--wait-poll-s", "0.1",
                      *model],
+        "peers": ["--repeats", "1", "--one-chat-tokens", "4", "--chat-tokens", "4", "--generation-rows", "4",
+                  "--scoring-rows", "8", "--embedding-inputs", "8", *model],
     }[part]
 
 

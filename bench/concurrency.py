@@ -34,8 +34,11 @@ SERVE = """
 import sys
 import xllamacpp
 
-path, port, slots, context, threads = sys.argv[1], *map(int, sys.argv[2:])
+path, port, slots, context, threads = sys.argv[1], *map(int, sys.argv[2:6])
 params = xllamacpp.CommonParams()
+params.embedding = sys.argv[6:] == ["embedding"]
+if params.embedding:  # mean pooling, as miServer's embeddings default to
+    params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
 params.model.path = path
 params.hostnames = ["127.0.0.1"]
 params.port = port
@@ -179,13 +182,15 @@ def describe_answers(value):
 
 
 @contextlib.contextmanager
-def llama_server(gguf, slots, context, threads, timeout=120):
+def llama_server(gguf, slots, context, threads, timeout=120, embedding=False):
     """llama.cpp's server (xllamacpp.Server) on 127.0.0.1, in a process of its own: `slots`
-    parallel sequences of `context` tokens each, `threads` threads. Yields its base URL."""
+    parallel sequences of `context` tokens each, `threads` threads (`embedding`: serving
+    /v1/embeddings too). Yields its base URL."""
     from tests.e2e.stack import answers, free_port
 
     log = tempfile.TemporaryFile()
-    process = subprocess.Popen([sys.executable, "-c", SERVE, str(gguf), str(free_port()), str(slots), str(context), str(threads)],
+    process = subprocess.Popen([sys.executable, "-c", SERVE, str(gguf), str(free_port()), str(slots), str(context), str(threads),
+                                *(["embedding"] if embedding else [])],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
 
     def failed(why):
