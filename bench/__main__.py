@@ -76,7 +76,7 @@ def sizes(part, quick, tiny):
         "generation": ["--rows", "4", "--max-tokens", "4", *model],
         "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
         "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
-        "cpu_levers": ["--max-tokens", "4", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
+        "cpu_levers": ["--max-tokens", "4", "--width", "2", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
         "retention": ["--rows", "20", *model],
         "replicas": ["--rows", "8", "--max-tokens", "4", "--scoring-rows", "32", "--repeats", "1", "--wait-poll-s", "0.1",
                      *model],
