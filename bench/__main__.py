@@ -80,7 +80,7 @@ def sizes(part, quick, tiny):
         "retention": ["--rows", "20", *model],
         "replicas": ["--rows", "8", "--max-tokens", "4", "--scoring-rows", "32", "--repeats", "1", "--wait-poll-s", "0.1",
                      *model],
-        "peers": ["--repeats", "1", "--one-chat-tokens", "4", "--chat-tokens", "4", "--generation-rows", "4",
+        "peers": ["--modes", "--repeats", "1", "--one-chat-tokens", "4", "--chat-tokens", "4", "--generation-rows", "4",
                   "--scoring-rows", "8", "--embedding-inputs", "8", *model],
     }[part]
 

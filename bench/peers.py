@@ -111,6 +111,10 @@ def main(argv=None):
         main_mode = args.modes[0] if args.modes else REFERENCE
         for work, ratio in ratios_of(medians[main_mode], medians[LLAMA]).items():
             checks.append(check_ratio(f"{work} ({main_mode}) / llama.cpp", ratio, GOALS[work]))
+    else:
+        from bench.common import check
+
+        checks.append(check("ratios against llama.cpp", "not measured", "xllamacpp installed (the bench extra)", False))
     for server, figures in quality.items():
         rows.append((f"quality of {server} vs float32", describe_quality(figures)))
     if llama and args.modes:

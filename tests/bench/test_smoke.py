@@ -6,6 +6,7 @@ import json
 from bench import __main__ as suite
 from bench import packing
 from bench.common import first_difference
+from bench.peers import WORK
 
 
 def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(test_model_dir):
@@ -34,6 +35,12 @@ def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(
         for level in ("2", "4"):
             assert concurrency[server][level]["answered"] == int(level), (server, level)
             assert concurrency[server][level]["completion_tokens"] > 0, (server, level)
+    peers = summary["parts"]["peers"]
+    reference = peers["medians"]["float32 (reference)"]
+    assert set(reference) == set(WORK) and all(rate > 0 for rate in reference.values())
+    if peers["llamacpp"]:  # every work but synchronous scoring (this server's own) on llama.cpp too
+        assert set(peers["medians"]["llama.cpp"]) == set(WORK) - {"sync_scoring"}
+        assert peers["quality"]["llama.cpp"]["rows"] == 8 and peers["quality"]["llama.cpp"]["greedy_rows"] == 4
 
 
 def test_first_difference_is_the_first_differing_index_or_the_shorter_length():
