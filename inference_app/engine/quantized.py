@@ -243,8 +243,9 @@ def pack(model, path, mode, cache=None):
     """Swap the model's linear layers whose file tensors are packable for PackedLinear.
 
     `mode`: "quantized" runs every one packed at every width; "auto" times each shape at
-    MEASURED_WIDTHS and runs it packed up to the largest width where the kernel won at that
-    width and every smaller one (dense everywhere when it lost at one row)."""
+    MEASURED_WIDTHS and runs it packed up to the largest width where the kernel took at most
+    CLEAR_WIN of the dense time at that width and every smaller one (dense everywhere when it
+    did not at one row). A shape that stays dense has its packs built once, to time them."""
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
@@ -262,8 +263,10 @@ def pack(model, path, mode, cache=None):
         candidates.append((name, GGMLQuantizationType(kind).name, linear, parts))
     packed = 0
     for name, kind, linear, parts in candidates:
-        module = PackedLinear(linear, parts, None)
         shape = (kind, linear.out_features, linear.in_features)
+        if widths.get(shape) == 0:
+            continue
+        module = PackedLinear(linear, parts, None)
         if shape not in widths:
             widths[shape] = None if mode == "quantized" else _packed_width(module)
         if widths[shape] == 0:

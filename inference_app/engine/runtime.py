@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference_app.engine import quantized
 from inference_app.engine.loader import LoadedModel
 from inference_app.provenance import system_fingerprint
 
@@ -37,12 +38,22 @@ class ResidentModel:
         """A save made these weights a checkpoint: the id and fingerprint they answer under change."""
         self.model_id = model_id
         self.loaded.revision = revision
+        self.refresh_fingerprint()
+
+    def refresh_fingerprint(self):
+        """After a rename or an edit that ran a packed projection dense."""
         self.fingerprint = self._fingerprint()
 
     def _fingerprint(self):
         loaded = self.loaded
         return system_fingerprint(self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization,
-                                  loaded.weights)
+                                  self.weights_form)
+
+    @property
+    def weights_form(self):
+        """"packed" while any projection runs from its packed blocks (an edit may have unpacked
+        them all), else "dense"."""
+        return "packed" if quantized.packed_modules(self.model) else "dense"
 
     @property
     def dtype_name(self):

@@ -5,18 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from inference_app.catalogue import model_source
 from inference_app.engine import services
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
 from inference_app.schemas import parse_request
-
-
-@pytest.fixture
-def default_source(settings):
-    settings.MILLM_MODEL = None
-    settings.MILLM_MODEL_ID = None
-    return model_source()
 
 
 def test_the_default_gguf_answers_with_real_text_and_is_cached(default_source):

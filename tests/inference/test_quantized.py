@@ -115,6 +115,20 @@ def test_an_edited_tensor_runs_dense_from_then_on_and_the_rest_stay_packed(tiny_
         assert torch.equal(target(x), F.linear(x, edited))  # the edit itself, not the stale blocks
 
 
+def test_the_fingerprint_says_packed_while_any_projection_runs_packed(tiny_packed):
+    loaded, cache = tiny_packed
+    quantized.pack(loaded.model, None, "quantized", cache=cache)
+    runtime = ResidentModel(loaded)
+    assert runtime.fingerprint.endswith("+packed:transformers")
+    state = loaded.model.state_dict()
+    packed = {module.weight.data_ptr() for module in quantized.packed_modules(loaded.model)}
+    edits = {name: tensor.clone() for name, tensor in state.items() if tensor.data_ptr() in packed}
+    weights.write(loaded.model, edits)  # the same values, but every packed projection is edited
+    runtime.refresh_fingerprint()
+    assert not quantized.packed_modules(loaded.model)
+    assert "+packed" not in runtime.fingerprint
+
+
 def test_a_checkpoint_keeps_packed_what_it_left_alone(tiny_packed, test_model_dir, tmp_path):
     loaded, cache = tiny_packed
     quantized.pack(loaded.model, None, "quantized", cache=cache)
@@ -128,13 +142,6 @@ def test_a_checkpoint_keeps_packed_what_it_left_alone(tiny_packed, test_model_di
     weights.apply_checkpoint(base, folder / weights.CHECKPOINT_FILE)
     assert not edited.packed and torch.equal(edited.weight, torch.zeros(64, 64))
     assert len(quantized.packed_modules(base)) == len(quantized.packed_modules(loaded.model))
-
-
-@pytest.fixture
-def default_source(settings):
-    settings.MILLM_MODEL = None
-    settings.MILLM_MODEL_ID = None
-    return model_source()
 
 
 def test_the_packaged_ggufs_tensors_run_packed_and_still_answer(default_source):
