@@ -21,7 +21,7 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_app.catalogue import ModelSource
-from inference_app.engine import quantized
+from inference_app.engine import attention, quantized
 from inference_app.models import ModelEntry
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ def pick_weights(device, setting=None, dtype_setting=None):
 
 def load_model(source, device=None, dtype=None, weights=None):
     """1. Find the folder to load (the source, or the GGUF's conversion cache, built if missing).
-    2. Load tokenizer and weights from it, cast to the dtype, move to the device, eval mode.
+    2. Load tokenizer and weights from it, cast to the dtype, move to the device, eval mode;
+       16-bit decode steps on a CPU attend in float32 (attention.py).
     3. A GGUF's quantized projections run packed where `weights` (pick_weights) says so."""
     device = device or pick_device()
     dtype = dtype or pick_dtype(device)
@@ -108,12 +109,13 @@ def load_model(source, device=None, dtype=None, weights=None):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     model.to(device)
     model.eval()
+    attends = attention.use_for(model, device, dtype)
     form = "dense"
     if source.format == ModelEntry.Format.GGUF and weights != "dense":
         packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
         form = packing.label
-    log.info("loaded %s in %.1f s (%s, %s weights)", source.model_id, time.monotonic() - started,
-             str(dtype).removeprefix("torch."), form)
+    log.info("loaded %s in %.1f s (%s, %s weights, %s attention)", source.model_id, time.monotonic() - started,
+             str(dtype).removeprefix("torch."), form, attends)
     return LoadedModel(source, model, tokenizer, device, dtype, revision, form)
 
 

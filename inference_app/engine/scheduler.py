@@ -2,7 +2,12 @@
 
 A `Sequence` is a plain state object (prompt, sampling parameters, its own generator, the tokens
 made so far). Whoever holds a seat (admission.py decides who may) submits it; the scheduler's
-one thread ("decode") owns every forward pass of every live sequence:
+thread owns every forward pass of every live sequence. That thread is the engine's model thread
+(Seating's), the one that runs every other forward pass too: the scheduler drains its work there
+(a task that steps until no sequence is live or waiting), so torch's OpenMP workers form one pool.
+A second thread running parallel kernels gives OpenMP a second pool, more workers than cores on a
+machine where torch uses every core, and then every kernel waits on a sleeping worker: one chat
+decoded at half speed (bench/FINDINGS.md, "One thread for every forward pass"). The steps:
 
 1. At a step boundary, waiting sequences join (interactive first), each prefilled alone, within
    a budget of prompt tokens per step (at least one joins); its first token comes from its own
@@ -22,6 +27,7 @@ import os
 import queue
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -118,7 +124,9 @@ class StepScheduler:
     where a step of many rows costs several single steps (a CPU), a chat then decodes as fast as
     alone; "auto": pause on a CPU, decode on a GPU (where a wider step costs little more)."""
 
-    def __init__(self, prefill_tokens_per_step, batch_rows_beside_chats="auto"):
+    def __init__(self, prefill_tokens_per_step, batch_rows_beside_chats="auto", thread=None):
+        """`thread`: the single-thread executor its steps run in (the engine's model thread);
+        one of its own when none is given."""
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.batch_rows_beside_chats = batch_rows_beside_chats
         self.chats, self.rows = Lane(), Lane()
@@ -126,7 +134,8 @@ class StepScheduler:
         self.steps = 0
         self._waiting = deque()
         self._condition = threading.Condition()
-        self._thread = None
+        self._thread = thread or ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self._draining = False  # a drain task is queued or running in the thread
 
     @property
     def live(self):
@@ -148,21 +157,30 @@ class StepScheduler:
                 self._waiting.insert(position, sequence)
             else:
                 self._waiting.append(sequence)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="decode", daemon=True)
-                self._thread.start()
-            self._condition.notify()
+            if self._draining:
+                return
+            self._draining = True
+        try:
+            self._thread.submit(self._drain)
+        except RuntimeError:  # the engine is stopping: its executor takes no more work
+            with self._condition:
+                self._draining = False
+                self._waiting.remove(sequence)
+            sequence.failure = ApiError(503, "engine_unavailable", "The engine is stopping; retry", retry_after=5)
+            self._end_abandoned([sequence])
 
-    def _loop(self):
+    def _drain(self):
+        """Steps until no sequence is live or waiting, in the model thread."""
         while True:
             with self._condition:
-                while not self._waiting and not self.live:
+                if not self._waiting and not self.live:
                     # Nothing decodes: hold no reference to a model a swap unloads.
                     self.chats.decoder = self.rows.decoder = None
-                    self._condition.wait()
+                    self._draining = False
+                    return
             try:
                 self._one_step()
-            except Exception as error:  # never let the decode thread die: its consumers would wait for ever
+            except Exception as error:  # never leave the drain: its consumers would wait for ever
                 log.exception("a decode step failed; its %d sequence(s) end with an error", len(self.live))
                 for lane in (self.chats, self.rows):
                     self._fail_live(lane, error)

@@ -6,7 +6,7 @@ runner share.
   the model thread.
 - `seated(...)`: one seat (a generation request or a `batched_decoding` batch row): a shared hold,
   the function in a service thread of its own with a `SeatedRuntime`, whose sequences the step
-  scheduler decodes together.
+  scheduler decodes together, in the model thread too: every forward pass runs in that one thread.
 
 Both check, once the hold is granted, that the model they were asked for is resident with clean
 weights (a swap or an edit may have taken the slot first) and answer `NOT_RUN` otherwise. The
@@ -34,7 +34,9 @@ class Seating:
         self.slot = AdmissionSlot(self.seats, settings.MAX_PENDING_REQUESTS)
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
         self.service_threads = ThreadPoolExecutor(self.seats, thread_name_prefix="service")
-        self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP, settings.ENGINE_BATCH_ROWS_BESIDE_CHATS)
+        # Every forward pass in one thread, the scheduler's steps too (scheduler.py says why).
+        self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP, settings.ENGINE_BATCH_ROWS_BESIDE_CHATS,
+                                       thread=self.model_thread)
 
     @property
     def batched(self):

@@ -8,6 +8,7 @@ import torch
 
 from inference_app.engine.decoding import BatchedDecoder
 from inference_app.engine.scheduler import SeatedRuntime, StepScheduler
+from millm_lib.errors import ApiError
 
 PROMPTS = [
     "Hello there, how are you",
@@ -171,3 +172,45 @@ def test_batch_rows_pause_while_a_chat_decodes_or_share_its_steps(resident, mode
     for first, stream, prompt in zip(firsts, streams, PROMPTS[1:4]):
         assert [first.token_id] + [token.token_id for token in stream] == alone(resident, prompt, 300)
     assert all(row.shared for row in rows)
+
+
+class _ThreadRecording(BatchedDecoder):
+    threads = set()
+
+    def prefill(self, prompt_ids):
+        _ThreadRecording.threads.add(threading.current_thread())
+        return super().prefill(prompt_ids)
+
+    def step(self, token_ids):
+        _ThreadRecording.threads.add(threading.current_thread())
+        return super().step(token_ids)
+
+
+def test_every_step_runs_in_the_thread_it_was_given_and_a_drain_ends_when_nothing_decodes(resident):
+    """The engine gives the scheduler its model thread: torch's OpenMP workers are one pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_thread = ThreadPoolExecutor(1, thread_name_prefix="model")
+    the_model_thread = model_thread.submit(threading.current_thread).result()
+    scheduler = StepScheduler(prefill_tokens_per_step=4096, thread=model_thread)
+    scheduler.decoder_class = _ThreadRecording
+    _ThreadRecording.threads = set()
+    for round_ in range(2):  # a second burst after the first drain ended starts a new one
+        results = together(resident, scheduler, [(prompt, 6, 0.0, None) for prompt in PROMPTS[:3]])
+        for prompt, (tokens, _) in zip(PROMPTS, results):
+            assert tokens == alone(resident, prompt, 6), prompt
+        # The drain has ended (or is ending): the model thread takes other work next.
+        assert model_thread.submit(lambda: scheduler._draining).result() is False
+    assert _ThreadRecording.threads == {the_model_thread}
+    assert scheduler.chats.decoder is None  # an idle scheduler holds no model
+
+
+def test_a_sequence_submitted_after_the_thread_shut_down_ends_with_a_503(resident):
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_thread = ThreadPoolExecutor(1)
+    model_thread.shutdown()
+    seated = SeatedRuntime(resident, StepScheduler(prefill_tokens_per_step=4096, thread=model_thread), interactive=True)
+    with pytest.raises(ApiError) as raised:
+        list(seated.generate(resident.encode("Hello"), 4, 0.0, 1.0, None))
+    assert raised.value.status == 503

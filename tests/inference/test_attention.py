@@ -1,0 +1,85 @@
+"""Decode-step attention in float32 for a 16-bit model on a CPU (attention.py, SPEC 7a): the tiny
+model through the production loader, in float32 and in bfloat16."""
+
+import json
+
+import pytest
+import torch
+
+from inference_app.catalogue import model_source
+from inference_app.engine import attention
+from inference_app.engine.decoding import BatchedDecoder
+from inference_app.engine.loader import load_model
+from inference_app.engine.runtime import ResidentModel
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def bfloat16_resident(test_model_dir):
+    return ResidentModel(load_model(model_source(str(test_model_dir)), CPU, torch.bfloat16))
+
+
+def test_a_float32_model_keeps_transformers_sdpa(resident):
+    assert resident.model.config._attn_implementation == "sdpa"
+
+
+def test_a_bfloat16_model_on_a_cpu_attends_through_millm_sdpa(bfloat16_resident):
+    assert bfloat16_resident.model.config._attn_implementation == attention.NAME
+
+
+def _decode_logits(resident, prompts, steps=3):
+    """Greedy rows decoded together; the last step's logits."""
+    decoder, rows = BatchedDecoder(resident), []
+    for prompt in prompts:
+        cache, logits = decoder.prefill(prompt)
+        decoder.admit(cache, len(prompt))
+        rows.append([int(torch.argmax(logits))])
+    for _ in range(steps):
+        logits = decoder.step([row[-1] for row in rows])
+        for row, token in zip(rows, torch.argmax(logits, dim=-1).tolist()):
+            row.append(token)
+    return logits
+
+
+def test_decode_steps_attend_in_float32_and_prefills_as_sdpa(bfloat16_resident):
+    """A decode step under millm_sdpa equals the same step with float32 attention computed by
+    hand from the same bfloat16 projections; a prefill is bit for bit transformers' sdpa."""
+    model = bfloat16_resident.model
+    prompts = [bfloat16_resident.encode(text) for text in ("The lighthouse keeper", "Once upon a time, far away")]
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        output, weights = attention.attention(module, query, key, value, attention_mask, **kwargs)
+        seen.append((query.shape[2], query.dtype, output.dtype))
+        return output, weights
+
+    attention.AttentionInterface.register("recording", recording)
+    attention.AttentionMaskInterface.register("recording", attention.sdpa_mask)
+    try:
+        model.set_attn_implementation("recording")
+        ours = _decode_logits(bfloat16_resident, prompts)
+    finally:
+        model.set_attn_implementation(attention.NAME)
+    assert {(queries, dtype, out) for queries, dtype, out in seen if queries == 1} == {(1, torch.bfloat16, torch.bfloat16)}
+    assert any(queries > 1 for queries, _, _ in seen)  # the prefills went through it too
+
+    model.set_attn_implementation("sdpa")
+    try:
+        theirs = _decode_logits(bfloat16_resident, prompts)
+        ids = torch.tensor([prompts[1]])
+        sdpa_prefill = model(input_ids=ids, use_cache=False).logits
+    finally:
+        model.set_attn_implementation(attention.NAME)
+    ours_prefill = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(ours_prefill, sdpa_prefill)
+    # Same model, attention rounded differently: close, and not the same bits (it would be, if
+    # millm_sdpa attended in bfloat16 after all).
+    assert torch.allclose(ours, theirs, atol=0.1, rtol=0.05)
+    assert not torch.equal(ours, theirs)
+
+
+def test_a_saved_configuration_names_no_attention_of_ours(bfloat16_resident, tmp_path):
+    """A checkpoint written from the engine loads anywhere: the private choice is not saved."""
+    bfloat16_resident.model.config.save_pretrained(tmp_path)
+    assert attention.NAME not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
