@@ -134,6 +134,13 @@ class PackedLinear(torch.nn.Module):
         rows = x.numel() // self.in_features
         if not self.packs or (self.max_rows is not None and rows > self.max_rows):
             return F.linear(x, self.weight, self.bias)
+        if len(self.packs) == 1 and self.bias is None and x.dtype == torch.bfloat16:
+            # The kernel's own bfloat16 output: what `kernel` returns, without the round trip
+            # through float32 and back (exact, and two casts fewer per projection per step).
+            packed, scales_and_zeros = self.packs[0]
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, self.in_features).contiguous(), packed,
+                                                             GROUP, scales_and_zeros)
+            return out.reshape(*x.shape[:-1], self.out_features)
         out = self.kernel(x.reshape(rows, self.in_features))
         if self.bias is not None:
             out = out + self.bias.float()
