@@ -161,13 +161,22 @@ class StepScheduler:
                 return
             self._draining = True
         try:
-            self._thread.submit(self._drain)
+            self._thread.submit(self._drain).add_done_callback(self._drain_done)
         except RuntimeError:  # the engine is stopping: its executor takes no more work
-            with self._condition:
-                self._draining = False
-                self._waiting.remove(sequence)
+            self._end_waiting_for_a_stop()
+
+    def _drain_done(self, drain):
+        if drain.cancelled():  # the engine stopped before the drain ran: nothing is live yet
+            self._end_waiting_for_a_stop()
+
+    def _end_waiting_for_a_stop(self):
+        with self._condition:
+            self._draining = False
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for sequence in waiting:
             sequence.failure = ApiError(503, "engine_unavailable", "The engine is stopping; retry", retry_after=5)
-            self._end_abandoned([sequence])
+        self._end_abandoned(waiting)
 
     def _drain(self):
         """Steps until no sequence is live or waiting, in the model thread."""

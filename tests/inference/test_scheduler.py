@@ -2,6 +2,7 @@
 as alone, each ending on its own."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -214,3 +215,31 @@ def test_a_sequence_submitted_after_the_thread_shut_down_ends_with_a_503(residen
     with pytest.raises(ApiError) as raised:
         list(seated.generate(resident.encode("Hello"), 4, 0.0, 1.0, None))
     assert raised.value.status == 503
+
+
+def test_a_drain_cancelled_by_a_stop_before_it_ran_ends_its_waiting_sequences_with_a_503(resident):
+    """Seating's shutdown cancels the model thread's queued work: a drain queued behind a job
+    (here, one that waits for the stop) never runs, and its sequences must not wait for ever."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model_thread = ThreadPoolExecutor(1)
+    busy, stop = threading.Event(), threading.Event()
+    model_thread.submit(lambda: (busy.set(), stop.wait(30)))
+    busy.wait(30)
+    seated = SeatedRuntime(resident, StepScheduler(prefill_tokens_per_step=4096, thread=model_thread), interactive=True)
+    outcome = {}
+
+    def consume():
+        try:
+            list(seated.generate(resident.encode("Hello"), 4, 0.0, 1.0, None))
+        except ApiError as error:
+            outcome["status"] = error.status
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    while not seated._scheduler._draining:
+        time.sleep(0.01)
+    model_thread.shutdown(wait=False, cancel_futures=True)
+    stop.set()
+    consumer.join(30)
+    assert outcome == {"status": 503}
