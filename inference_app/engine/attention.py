@@ -2,10 +2,11 @@
 
 torch's CPU `scaled_dot_product_attention` is several times slower in bfloat16 than in float32
 for the one-query shape of a decode step (one 576-wide SmolLM2 layer, 16 rows of 120 cached
-tokens: 1.0 ms against 0.18 ms; bench/FINDINGS.md, "Decode attention in float32"), so at 16 rows
-attention took half of every step. `millm_sdpa` is transformers' own SDPA attention, with the
-mask transformers builds for SDPA, except that a pass of one query per row (a decode step) runs
-it on float32 copies of the query, keys and values and rounds the output back to the model's
+tokens: 1.0 ms against 0.18 ms; bench/FINDINGS.md, "One thread for every forward pass; decode
+attention in float32"), so at 16 rows attention took half of every step. `millm_sdpa` is
+transformers' own SDPA attention, with the mask transformers builds for SDPA, except that a pass
+of one query per row (a decode step) runs it on float32 copies of the query, keys and values and
+rounds the output back to the model's
 dtype. A prefill (many queries per row) and every float32 model run exactly as under "sdpa".
 """
 

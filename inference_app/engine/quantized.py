@@ -122,28 +122,20 @@ class PackedLinear(torch.nn.Module):
         self.packs = []
 
     def kernel(self, x):
-        """The packed product of `x` [rows, in], in float32."""
+        """The packed product of `x` [rows, in]: the kernel's own bfloat16 output for one pack,
+        the halves summed in float32 for two (Q8_0)."""
         x = x.to(torch.bfloat16).contiguous()
-        out = None
-        for packed, scales_and_zeros in self.packs:
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros).float()
-            out = part if out is None else out + part
-        return out
+        parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
+                 for packed, scales_and_zeros in self.packs]
+        return parts[0] if len(parts) == 1 else sum(part.float() for part in parts)
 
     def forward(self, x):
         rows = x.numel() // self.in_features
         if not self.packs or (self.max_rows is not None and rows > self.max_rows):
             return F.linear(x, self.weight, self.bias)
-        if len(self.packs) == 1 and self.bias is None and x.dtype == torch.bfloat16:
-            # The kernel's own bfloat16 output: what `kernel` returns, without the round trip
-            # through float32 and back (exact, and two casts fewer per projection per step).
-            packed, scales_and_zeros = self.packs[0]
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, self.in_features).contiguous(), packed,
-                                                             GROUP, scales_and_zeros)
-            return out.reshape(*x.shape[:-1], self.out_features)
         out = self.kernel(x.reshape(rows, self.in_features))
         if self.bias is not None:
-            out = out + self.bias.float()
+            out = out.float() + self.bias.float()
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self):

@@ -6,8 +6,8 @@ thread owns every forward pass of every live sequence. That thread is the engine
 (Seating's), the one that runs every other forward pass too: the scheduler drains its work there
 (a task that steps until no sequence is live or waiting), so torch's OpenMP workers form one pool.
 A second thread running parallel kernels gives OpenMP a second pool, more workers than cores on a
-machine where torch uses every core, and then every kernel waits on a sleeping worker: one chat
-decoded at half speed (bench/FINDINGS.md, "One thread for every forward pass"). The steps:
+machine where torch uses every core, and every kernel got slower (most likely waiting for a
+sleeping worker): one chat decoded at half speed (bench/FINDINGS.md, "One thread for every forward pass"). The steps:
 
 1. At a step boundary, waiting sequences join (interactive first), each prefilled alone, within
    a budget of prompt tokens per step (at least one joins); its first token comes from its own
