@@ -6,8 +6,8 @@ tokens: 1.0 ms against 0.18 ms; bench/FINDINGS.md, "One thread for every forward
 attention in float32"), so at 16 rows attention took half of every step. `millm_sdpa` is
 transformers' own SDPA attention, with the mask transformers builds for SDPA, except that a pass
 of one query per row (a decode step) runs it on float32 copies of the query, keys and values and
-rounds the output back to the model's
-dtype. A prefill (many queries per row) and every float32 model run exactly as under "sdpa".
+rounds the output back to the model's dtype. A prefill (many queries per row) and every float32
+model run exactly as under "sdpa".
 """
 
 import torch
