@@ -35,6 +35,7 @@ MODES = {
     "bfloat16": {"MILLM_DTYPE": "bfloat16", "MILLM_WEIGHTS": "dense"},
     "bfloat16+packed": {"MILLM_DTYPE": "bfloat16", "MILLM_WEIGHTS": "auto"},
     "float32+packed": {"MILLM_DTYPE": "float32", "MILLM_WEIGHTS": "quantized"},
+    "auto+compiled": {"MILLM_DTYPE": "auto", "MILLM_WEIGHTS": "auto", "MILLM_COMPILE": "decode"},
 }
 REFERENCE = "float32 (reference)"
 REFERENCE_SETTINGS = {"MILLM_DTYPE": "float32", "MILLM_WEIGHTS": "dense"}

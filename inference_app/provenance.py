@@ -7,11 +7,14 @@ from millm_lib.limits import CHAT
 IGNORED_FIELDS_MAX_BYTES = 1024
 
 
-def system_fingerprint(model_id, revision, dtype, quantization, weights="dense"):
-    """SPEC 3: millm:<model id>@<revision or unrecorded>:<dtype>/<quant or none>[+packed]:transformers
-    (`+packed`: the quantized tensors run from their packed blocks, SPEC 7a)."""
+def system_fingerprint(model_id, revision, dtype, quantization, weights="dense", compiled=False):
+    """SPEC 3: millm:<model id>@<revision or unrecorded>:<dtype>/<quant or none>[+packed][+compiled]:transformers
+    (`+packed`: the quantized tensors run from their packed blocks, SPEC 7a; `+compiled`: decode
+    steps run compiled, MILLM_COMPILE=decode)."""
     packed = "+packed" if weights == "packed" else ""
-    return f"millm:{model_id}@{revision or 'unrecorded'}:{dtype}/{quantization or 'none'}{packed}:transformers"
+    compiled = "+compiled" if compiled else ""
+    return (f"millm:{model_id}@{revision or 'unrecorded'}:{dtype}/{quantization or 'none'}{packed}{compiled}"
+            ":transformers")
 
 
 def provenance_headers(model_id, endpoint, request=None, ignored=()):

@@ -52,6 +52,8 @@ class BatchedDecoder:
         """Merge a prefilled sequence's cache (`length` tokens) as the last row."""
         row_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
         if self.cache is None:
+            for layer in cache.layers:  # a prefill leaves them transposed; a step's shapes want one layout
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
             self.cache, self.mask, self.positions = cache, row_mask, [length]
             return
         width = max(self.width, length)
@@ -71,16 +73,24 @@ class BatchedDecoder:
     @torch.inference_mode()
     def step(self, token_ids):
         """One forward pass: each row's last sampled token in, [rows, vocab] float32 logits out."""
+        if self.width < getattr(self.runtime.decode_forward, "min_columns", 1):
+            self._widen(self.runtime.decode_forward.min_columns)
         ids = torch.tensor([[token_id] for token_id in token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor([[position] for position in self.positions], dtype=torch.long, device=self.device)
         mask = torch.cat([self.mask, torch.ones((self.rows, 1), dtype=torch.long, device=self.device)], dim=1)
-        out = self.runtime.model(
+        out = self.runtime.decode_forward(
             input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
             logits_to_keep=1,
         )
         self.mask = mask
         self.positions = [position + 1 for position in self.positions]
         return out.logits[:, -1].float()
+
+    def _widen(self, width):
+        """Masked padding columns on the left, so a compiled step sees its bucket's shapes."""
+        for layer in self.cache.layers:
+            layer.keys, layer.values = _left_pad(layer.keys, width), _left_pad(layer.values, width)
+        self.mask = _left_pad(self.mask, width)
 
     @torch.inference_mode()
     def drop(self, indices):
@@ -95,8 +105,8 @@ class BatchedDecoder:
         start = self.width - max(self.positions)  # a row's position is its real length
         self.mask = self.mask[:, start:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, selected)[:, :, start:]
-            layer.values = layer.values.index_select(0, selected)[:, :, start:]
+            layer.keys = layer.keys.index_select(0, selected)[:, :, start:].contiguous()
+            layer.values = layer.values.index_select(0, selected)[:, :, start:].contiguous()
 
 
 def _left_pad(tensor, width):

@@ -315,6 +315,12 @@ def packed_modules(model):
     return [module for module in model.modules() if isinstance(module, PackedLinear) and module.packed]
 
 
+def width_bounds(model):
+    """The widths above which some packed projection switches to its dense matmul: a compiled
+    step (compiled.py) sees each as a shape bucket's edge."""
+    return sorted({module.max_rows for module in packed_modules(model) if module.max_rows is not None})
+
+
 def unpack_changed(model, tensors):
     """After an edit: every packed module whose weight is one of `tensors` runs dense."""
     edited = {tensor.data_ptr() for tensor in tensors}

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from django.conf import settings
 
-from inference_app.engine import quantized
+from inference_app.engine import compiled, quantized
 from inference_app.engine.loader import LoadedModel
 from inference_app.provenance import system_fingerprint
 
@@ -32,7 +33,17 @@ class ResidentModel:
         self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(config.vocab_size)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        # What the scheduler's decode steps call: the model itself, or its compiled forward.
+        self.decode_forward = self.model
         self.fingerprint = self._fingerprint()
+        if settings.MILLM_COMPILE == "decode":
+            self.compile_decode_step()
+
+    def compile_decode_step(self, backend="inductor"):
+        """MILLM_COMPILE=decode: compile the decode step's two shape buckets now (compiled.py)."""
+        self.decode_forward = compiled.CompiledStep(self.model, backend)
+        self.decode_forward.warm(self)
+        self.refresh_fingerprint()
 
     def rename(self, model_id, revision):
         """A save made these weights a checkpoint: the id and fingerprint they answer under change."""
@@ -47,7 +58,7 @@ class ResidentModel:
     def _fingerprint(self):
         loaded = self.loaded
         return system_fingerprint(self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization,
-                                  self.weights_form)
+                                  self.weights_form, compiled=self.decode_forward is not self.model)
 
     @property
     def weights_form(self):

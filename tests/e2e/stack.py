@@ -104,7 +104,9 @@ class Stack:
         try:
             stack.engine = stack.start_engine()
             stack.web = stack.start_web()
-            stack.wait_for_model(stack.web, stack.model_id, engine=stack.engine)
+            # A compiled decode step compiles at load: minutes on a CPU (README, Precision).
+            timeout = 900 if settings.get("MILLM_COMPILE") == "decode" else 120
+            stack.wait_for_model(stack.web, stack.model_id, timeout=timeout, engine=stack.engine)
             yield stack
         finally:
             stack.close()
