@@ -22,6 +22,7 @@ from batches_app.shapes import (
     RequestCounts,
 )
 from files_app.models import File, IdempotencyKey
+from inference_app.engine import policy
 from inference_app.models import Engine, Lease
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
@@ -114,9 +115,7 @@ class BatchQuerySet(OwnedQuerySet):
                 .filter(claimed_by__isnull=True)
                 .annotate(runs_rows=Case(When(Q(status=Batch.Status.IN_PROGRESS, end_status__isnull=True), then=1), default=0))
             )
-            if running_before is not None:
-                candidates = candidates.filter(Q(runs_rows=0) | Q(created_at__lt=running_before))
-            batch = candidates.order_by("runs_rows", "created_at", "id").first()
+            batch = candidates.filter(policy.claimable_beside(running_before)).order_by(*policy.NEXT_BATCH_ORDER).first()
             if batch is None or batch.claim(engine_id) is None:
                 return None
         return batch

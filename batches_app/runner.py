@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from batches_app import assembly, events, leasing, validation
 from batches_app.models import Batch, BatchRow, FencedOut, RowResult
-from inference_app.engine import packing, services
+from inference_app.engine import packing, policy, services
 from inference_app.engine.seating import NOT_RUN
 from millm_lib.errors import ApiError, internal_error
 from millm_lib.ids import new_id
@@ -453,7 +453,7 @@ class BatchRunner:
         """The next generation rows in file order that are not in flight, as many as there are
         seats a batch may take (all but one); stops at a scoring row, which runs in a chunk of
         its own once the rows in flight are done."""
-        room = max(1, self.worker.seating.seats - 1) - len(self.seated)
+        room = policy.batch_seats(self.worker.seating.seats) - len(self.seated)
         if room <= 0:
             return []
         rows = []

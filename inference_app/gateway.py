@@ -9,7 +9,6 @@ hanging until MILLM_REQUEST_TIMEOUT_S.
 import asyncio
 import collections
 import functools
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from inference_app.catalogue import check_request_may_load, model_not_loaded, resolve
+from inference_app.engine import policy
 from millm_lib.errors import ApiError
 from inference_app.models import Engine
 
@@ -100,12 +100,8 @@ _in_flight = collections.Counter()
 
 
 def least_busy(engines):
-    """Of a model's replicas, the one with the least work: its queue and the requests it runs (its
-    heartbeat's figures) plus this process's requests in flight to it; ties at random."""
-    def work(engine):
-        return engine.queue_waiting + engine.in_flight + _in_flight[engine.pk], random.random()
-
-    return min(engines, key=work)
+    """Of a model's replicas, the one the policy picks, counting this process's requests in flight."""
+    return policy.least_busy(engines, _in_flight)
 
 
 def autoload_candidate(model_id, engines):

@@ -4,6 +4,7 @@ no app imports the site, and no package-level cycle is left. Read from the sourc
 
 import ast
 import importlib.util
+import re
 
 from tests.conftest import ROOT
 
@@ -107,3 +108,43 @@ def test_the_write_finder_sees_the_writes_it_looks_for(tmp_path):
         "context.update(a=1)\n"
     )
     assert [line for line, _ in row_writes(source, {"Batch"})] == [1, 2, 3]
+
+
+# --- the scheduling policy has one home (issue 28, point 2) ---
+
+# Spellings of the policy's decisions as they were written before policy.py held them: none may
+# come back outside it. (A decision's number or rule, not a call of the policy's function.)
+POLICY_SPELLINGS = {
+    "the seats a batch may take": (r"max\(1, [\w.]+ - 1\)",),
+    "the pending limit": (r"max_pending \+ [\w.]+ - 1",),
+    "the lane mode": (r'"cuda" else "pause"',),
+    "the prefill budget": (r"\) > budget",),
+    "giving way": (r"interactive_queued > 0",),
+    "the next batch": (r'"runs_rows", "created_at"', r"created_at__lt=running_before"),
+    "the replica": (r"in_flight\[engine\.pk\]",),
+}
+POLICY = ROOT / "inference_app" / "engine" / "policy.py"
+
+
+def policy_duplicates(paths):
+    found = []
+    for path in paths:
+        text = path.read_text()
+        for decision, spellings in POLICY_SPELLINGS.items():
+            found += [(str(path.relative_to(ROOT)), decision) for spelling in spellings if re.search(spelling, text)]
+    return found
+
+
+def test_no_decision_of_the_scheduling_policy_is_written_outside_it():
+    sources = [path for app in APPS for path in (ROOT / app).rglob("*.py") if path != POLICY]
+    assert policy_duplicates(sources) == []
+
+
+def test_the_policy_finder_finds_a_copied_rule():
+    copy = ROOT / "var" / "layering-probe.py"
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_text("room = max(1, self.seats - 1) - len(seated)\n")
+    try:
+        assert policy_duplicates([copy]) == [("var/layering-probe.py", "the seats a batch may take")]
+    finally:
+        copy.unlink()

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from contextlib import asynccontextmanager
 
+from inference_app.engine import policy
+
 HOLD_SAMPLES = 50
 RETRY_AFTER_WITHOUT_ESTIMATE = 5
 
@@ -75,7 +77,7 @@ class AdmissionSlot:
 
     @property
     def pending_limit(self):
-        return self.max_pending + self.slots - 1
+        return policy.pending_limit(self.max_pending, self.slots)
 
     def retry_after(self):
         """ceil(median hold x (waiting + holding) / slots), clamped to 1..60; 5 without data."""
@@ -139,7 +141,7 @@ class AdmissionSlot:
             return self.holding == 0
         if self.exclusive or self.shared_holding >= self.slots:
             return False
-        return interactive or self.background_shared < max(1, self.slots - 1)
+        return interactive or self.background_shared < policy.batch_seats(self.slots)
 
     def _grant(self, interactive, shared):
         self.holding += 1
@@ -163,9 +165,10 @@ class AdmissionSlot:
         self._wake()
 
     def _wake(self):
-        """Grant waiters in order while the head of the line can be granted: interactive ones
-        first, in arrival order; background ones only when no interactive one waits."""
-        for queue, interactive in ((self._interactive, True), (self._background, False)):
+        """Grant waiters in order while the head of the line can be granted: each class in the
+        policy's order (interactive ones first), each in arrival order."""
+        for interactive in policy.CLASSES_IN_ORDER:
+            queue = self._interactive if interactive else self._background
             while queue:
                 future, shared = queue[0]
                 if future.done():

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from inference_app.engine import policy
 from inference_app.engine.decoding import BatchedDecoder
 from inference_app.engine.runtime import SampledToken
 from millm_lib.errors import ApiError
@@ -144,19 +145,14 @@ class StepScheduler:
     def lane_of(self, sequence):
         if sequence.interactive:
             return self.chats
-        mode = self.batch_rows_beside_chats
-        if mode == "auto":
-            mode = "decode" if sequence.runtime.device.type == "cuda" else "pause"
+        mode = policy.lane_mode(self.batch_rows_beside_chats, sequence.runtime.device.type)
         return self.chats if mode == "decode" else self.rows
 
     def submit(self, sequence):
         with self._condition:
-            if sequence.interactive:
-                # Ahead of waiting batch rows, behind earlier interactive ones.
-                position = sum(1 for waiting in self._waiting if waiting.interactive)
-                self._waiting.insert(position, sequence)
-            else:
-                self._waiting.append(sequence)
+            interactive_waiting = sum(1 for waiting in self._waiting if waiting.interactive)
+            self._waiting.insert(policy.place_in_line(interactive_waiting, len(self._waiting), sequence.interactive),
+                                 sequence)
             if self._draining:
                 return
             self._draining = True
@@ -234,7 +230,7 @@ class StepScheduler:
             return joining  # this model decodes one sequence at a time
         with self._condition:
             for sequence in list(self._waiting):
-                if len(joining) >= room or (joining and len(sequence.context_ids) > budget):
+                if not policy.joins_this_step(len(joining), len(sequence.context_ids), budget, room):
                     break
                 if self.lane_of(sequence) is lane:
                     self._waiting.remove(sequence)

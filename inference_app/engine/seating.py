@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from django.conf import settings
 
+from inference_app.engine import policy
 from inference_app.engine.admission import AdmissionSlot
 from inference_app.engine.scheduler import SeatedRuntime, StepScheduler
 
@@ -45,7 +46,7 @@ class Seating:
 
     def give_way(self):
         """Asked by a serial chunk's model thread before each row: a chat is waiting."""
-        return self.slot.interactive_queued > 0
+        return policy.gives_way(self.slot.interactive_queued)
 
     async def exclusive(self, model_id, function, *args, interactive=False):
         """`function(runtime, *args)` in the model thread, holding the whole model."""
