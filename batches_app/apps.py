@@ -11,7 +11,7 @@ class BatchesAppConfig(AppConfig):
         from batches_app.models import BatchRow
         from batches_app.usage import usage
         from inference_app import backlog
-        from inference_app.metrics import register_collector
+        from millm_lib.metrics import register_collector
         from projects_app.admin import usage_readers
 
         register_collector(BatchCollector)

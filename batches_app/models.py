@@ -184,7 +184,7 @@ class BatchQuerySet(OwnedQuerySet):
 
     def expire_waiting(self):
         """Waiting batches past expires_at end expired (the next engine to claim one assembles it)."""
-        return self.waiting().filter(expires_at__lte=timezone.now()).update(end_status=Batch.Status.EXPIRED)
+        return self.waiting().filter(Batch.past_window(timezone.now())).update(end_status=Batch.Status.EXPIRED)
 
 
 def _running_engines():
@@ -264,6 +264,21 @@ class Batch(models.Model):
     def holder(self):
         """The holder name of the lease the batch takes in its own name."""
         return leasing.holder_of(self.id)
+
+    def due_end(self, now=None):
+        """The end this batch is due at `now` (default: now), whatever runs it: cancelled once a
+        cancel was asked, expired once its completion window has passed (`expires_at`, included);
+        None while it may run on. The one rule of expiry: `past_window` is its query form."""
+        if self.status == self.Status.CANCELLING:
+            return self.Status.CANCELLED
+        if (now or timezone.now()) >= self.expires_at:
+            return self.Status.EXPIRED
+        return None
+
+    @staticmethod
+    def past_window(now):
+        """`due_end`'s expiry as a filter: batches whose completion window has passed at `now`."""
+        return Q(expires_at__lte=now)
 
     @property
     def unrun_code(self):

@@ -25,7 +25,6 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.utils import timezone
 
 from batches_app import assembly, events, leasing, validation
 from batches_app.models import Batch, BatchRow, FencedOut, RowResult
@@ -330,11 +329,9 @@ class BatchRunner:
         and the claim released in the same transaction (announced once it commits)."""
         if batch.claim_token is None or batch.claimed_by != self.worker.engine_id:
             raise FencedOut(batch.pk)
-        if batch.status == Batch.Status.CANCELLING:
-            batch.mark_ending(Batch.Status.CANCELLED)
-            return "assemble"
-        if timezone.now() >= batch.expires_at:
-            batch.mark_ending(Batch.Status.EXPIRED)
+        end = batch.due_end()
+        if end is not None:
+            batch.mark_ending(end)
             return "assemble"
         runtime = self.worker.runtime
         if runtime is None or runtime.model_id != batch.model:
@@ -365,7 +362,7 @@ class BatchRunner:
         if batch.claimed_by is None:
             return "release"
         runtime = self.worker.runtime
-        if (batch.status != Batch.Status.IN_PROGRESS or batch.end_status or timezone.now() >= batch.expires_at
+        if (batch.status != Batch.Status.IN_PROGRESS or batch.end_status or batch.due_end() is not None
                 or runtime is None or runtime.model_id != batch.model or self.worker.swapping
                 or self.worker.weights_torn or not leasing.is_held(batch)):
             return "wait"

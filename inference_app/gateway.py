@@ -8,36 +8,17 @@ hanging until MILLM_REQUEST_TIMEOUT_S.
 
 import asyncio
 import collections
-import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
-from django.db import close_old_connections
 
 from inference_app.catalogue import check_request_may_load, model_not_loaded, resolve
 from inference_app.engine import policy
+from millm_lib.db import on_db_pool
 from millm_lib.errors import ApiError
 from inference_app.models import Engine
-
-
-# Web's database reads for forwarding run on a few threads shared by every request. On the
-# request's own thread (Django's ASGI handler gives each request one), each waiting request would
-# hold a database connection until it ends: 100 requests queued at the engine would hold 100,
-# past PostgreSQL's max_connections, and be refused for that instead of answered.
-GATEWAY_DB_THREADS = 4
-_db_pool = ThreadPoolExecutor(GATEWAY_DB_THREADS, thread_name_prefix="gateway-db")
-
-
-def on_db_pool(func):
-    @functools.wraps(func)
-    def run(*args, **kwargs):
-        close_old_connections()  # a pooled thread has no request signals: replace a dropped connection here
-        return func(*args, **kwargs)
-
-    return sync_to_async(run, thread_sensitive=False, executor=_db_pool)
 
 
 def caller(request):

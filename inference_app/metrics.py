@@ -1,20 +1,7 @@
-"""Prometheus metrics: web's own request figures, and the engines' figures read at scrape time."""
+"""The engines' figures on /metrics, read from their heartbeat rows when Prometheus scrapes
+(registered on millm_lib's registry by the app's config)."""
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
-
-registry = CollectorRegistry()
-
-requests_total = Counter(
-    "millm_http_requests_total", "HTTP requests answered", ["route", "method", "status"], registry=registry
-)
-request_seconds = Histogram(
-    "millm_http_request_duration_seconds",
-    "Time to answer (to the first byte for streams)",
-    ["route"],
-    registry=registry,
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600),
-)
 
 
 class EngineCollector:
@@ -42,25 +29,3 @@ class EngineCollector:
             if engine.estimated_wait_seconds is not None:  # no estimate before the first request ends
                 estimate.add_metric(labels, engine.estimated_wait_seconds)
         yield from (waiting, in_flight, alive, sequences, waits, estimate)
-
-
-registry.register(EngineCollector())
-_collectors = set()
-
-
-def register_collector(collector_class):
-    """Another app's collector on this registry (batches_app's, webhooks_app's, from their
-    configs: inference_app never imports them), once per process: app loading may run again in
-    tests."""
-    if collector_class not in _collectors:
-        registry.register(collector_class())
-        _collectors.add(collector_class)
-
-
-def render():
-    return generate_latest(registry)
-
-
-def route_label(request):
-    match = getattr(request, "resolver_match", None)
-    return match.route if match is not None else "unmatched"

@@ -9,7 +9,8 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from inference_app import backlog, gateway, metrics
+from inference_app import backlog, gateway
+from millm_lib import metrics
 from inference_app.catalogue import parse_load_policy, requestable, resolve
 from inference_app.leases import LEASE_HEADER
 from millm_lib.errors import ApiError, json_response, require_json

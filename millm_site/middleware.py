@@ -12,8 +12,8 @@ from django.core.exceptions import RequestDataTooBig
 from django.urls import Resolver404, resolve
 from django.utils.module_loading import import_string
 
-from inference_app import metrics
-from inference_app.gateway import on_db_pool
+from millm_lib import metrics
+from millm_lib.db import on_db_pool
 from millm_lib.errors import (
     ApiError,
     error_response,

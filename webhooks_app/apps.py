@@ -7,7 +7,7 @@ class WebhooksAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
-        from inference_app.metrics import register_collector
+        from millm_lib.metrics import register_collector
         from webhooks_app.metrics import WebhookCollector
 
         register_collector(WebhookCollector)

@@ -8,7 +8,8 @@ import pytest
 from django.utils import timezone
 
 from batches_app.models import Batch, BatchRow
-from inference_app import backlog, metrics
+from inference_app import backlog
+from millm_lib import metrics
 from millm_lib.limits import COMPLETIONS
 from tests.factories import BatchFactory, BatchRowFactory, FileFactory, requests_of
 

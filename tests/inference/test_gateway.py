@@ -14,6 +14,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from inference_app import gateway
+from millm_lib import db
 from inference_app.models import Engine
 
 REQUESTS = 200
@@ -54,14 +55,14 @@ def db_pool_closed_after():
     """The gateway's database threads close their connections afterwards, so that the test
     database can be dropped: one task per thread, held at a barrier until each thread has one."""
     yield
-    threads = gateway._db_pool._max_workers
+    threads = db.db_pool._max_workers
     barrier = threading.Barrier(threads)
 
     def close():
         connection.close()
         barrier.wait(timeout=10)
 
-    for future in [gateway._db_pool.submit(close) for _ in range(threads)]:
+    for future in [db.db_pool.submit(close) for _ in range(threads)]:
         future.result()
 
 

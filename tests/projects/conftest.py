@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connection, connections
 
-from inference_app import gateway
+from millm_lib import db
 from projects_app.models import ApiKey, Project
 from tests.batches import conftest as batch_fixtures
 
@@ -51,14 +51,14 @@ def db_pool_closed_after():
     """The gateway's database threads close their connections afterwards, so that the test
     database can be dropped: one task per thread, held at a barrier until each thread has one."""
     yield
-    threads = gateway._db_pool._max_workers
+    threads = db.db_pool._max_workers
     barrier = threading.Barrier(threads)
 
     def close():
         connection.close()
         barrier.wait(timeout=10)
 
-    for future in [gateway._db_pool.submit(close) for _ in range(threads)]:
+    for future in [db.db_pool.submit(close) for _ in range(threads)]:
         future.result()
 
 

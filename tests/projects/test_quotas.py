@@ -21,7 +21,7 @@ from batches_app.models import Batch
 from batches_app.usage import usage
 from files_app.models import File, IdempotencyKey
 from files_app.uploads import BatchFileUploadHandler
-from inference_app import metrics
+from millm_lib import metrics
 from projects_app.admin import ProjectAdmin
 from projects_app.models import Project
 from tests.factories import jsonl

@@ -8,7 +8,7 @@ import pytest
 from django.contrib.admin.utils import quote
 from django.utils import timezone
 
-from inference_app import metrics
+from millm_lib import metrics
 from webhooks_app.models import Delivery, WebhookEndpoint
 from webhooks_app.sending import Attempt
 
