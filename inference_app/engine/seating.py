@@ -16,6 +16,7 @@ the model is never handed on while its forward pass runs.
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from django.conf import settings
@@ -50,21 +51,37 @@ class Seating:
 
     async def exclusive(self, model_id, function, *args, interactive=False):
         """`function(runtime, *args)` in the model thread, holding the whole model."""
-        async with self.slot.hold(interactive=interactive, limited=interactive):
-            runtime = self._runnable(model_id)
-            if runtime is None:
-                return NOT_RUN
-            return await self.in_thread(False, function, runtime, *args)
+        return await self.run(model_id, function, *args, interactive=interactive)
 
     async def seated(self, model_id, function, *args, interactive=False):
         """`function(seated runtime, *args)` in a service thread, holding one seat."""
-        async with self.slot.hold(interactive=interactive, limited=interactive, shared=True):
+        return await self.run(model_id, function, *args, interactive=interactive, shared=True)
+
+    async def run(self, model_id, function, *args, interactive=False, shared=False, cancelled=None, deadline=None,
+                  on_start=None):
+        """`function(runtime, *args)` holding the whole model (in the model thread) or, `shared`,
+        one seat (in a service thread, the runtime a SeatedRuntime that stops once `cancelled`
+        is set). An interactive hold counts against the pending limit (QueueFull). `deadline` (a
+        time.time()): TimeoutError if the hold is not granted by then. `on_start()` is called
+        once the function is about to run. NOT_RUN (the hold given back at once) when the model is
+        not resident with clean weights by the time the hold is granted."""
+        cancelled = cancelled or threading.Event()
+        async with asyncio.timeout(None if deadline is None else deadline - time.time()):
+            await self.slot.acquire(interactive, interactive, shared)
+        started = time.monotonic()
+        ran = False
+        try:
             runtime = self._runnable(model_id)
             if runtime is None:
                 return NOT_RUN
-            stop = threading.Event()
-            seated = SeatedRuntime(runtime, self.scheduler, interactive, stop.is_set)
-            return await self.in_thread(True, function, seated, *args, on_cancel=stop.set)
+            if shared:
+                runtime = SeatedRuntime(runtime, self.scheduler, interactive, cancelled.is_set)
+            if on_start is not None:
+                on_start()
+            ran = True
+            return await self.in_thread(shared, function, runtime, *args, on_cancel=cancelled.set)
+        finally:
+            self.slot.release(interactive, time.monotonic() - started if ran else None, shared)
 
     def _runnable(self, model_id):
         runtime = self.residency.runtime

@@ -21,7 +21,7 @@ from channels.layers import get_channel_layer
 from inference_app.catalogue import check_request_may_load, model_not_found, model_not_loaded
 from inference_app.engine import services
 from inference_app.engine.admission import QueueFull
-from inference_app.engine.scheduler import SeatedRuntime
+from inference_app.engine.seating import NOT_RUN
 from millm_lib.errors import ApiError, internal_error
 from inference_app.leases import check_lease_allows
 from inference_app.models import ModelEntry
@@ -130,26 +130,18 @@ class Serving:
                     await self._ensure_model(wanted, message)
                 if worker.weights_torn:
                     raise weights_torn(wanted)
-                remaining = message["deadline"] - time.time()
-                if remaining <= 0:
+                if message["deadline"] <= time.time():
                     return  # the caller has already been told it timed out
                 try:
-                    async with asyncio.timeout(remaining):
-                        await worker.slot.acquire(interactive=True, shared=shared)
+                    result = await self._run(message, parsed, flight, reply, probes, wanted, shared)
                 except TimeoutError:
                     log.info("dropped request %s: its timeout passed while it waited", message["id"])
                     return
-                if worker.runtime is not None and worker.runtime.model_id == wanted:
+                if result is not NOT_RUN:
                     break
-                worker.slot.release(True, None, shared)  # a swap ran while we waited: check again
-            started = time.monotonic()
-            try:
-                if worker.weights_torn:
-                    raise weights_torn(wanted)
-                flight.running = True
-                await self._run_in_thread(message, parsed, flight, reply, probes, shared)
-            finally:
-                worker.slot.release(True, time.monotonic() - started, shared)
+                # A swap or an edit took the slot first: check the model again.
+            if not message.get("stream"):
+                await send_to(layer, reply, {"type": "result", "body": result.body, "headers": result.headers})
         except QueueFull as full:
             await send_to(layer, reply, {"type": "error", "error": _queue_full(full).to_wire()})
         except ApiError as error:
@@ -180,21 +172,21 @@ class Serving:
             except Exception as error:
                 raise ApiError(503, "model_not_loaded", f"Loading '{model_id}' failed: {error}", retry_after=5) from error
 
-    async def _run_in_thread(self, message, parsed, flight, reply, probes=None, shared=False):
-        """The service function in the model thread, or (`shared`) in a service thread with a
-        seated runtime; the hold lasts until the thread is done, even if this task is cancelled
-        meanwhile (then the request's `cancelled` is set first)."""
-        runtime = self.worker.runtime
-        if shared:
-            runtime = SeatedRuntime(runtime, self.worker.seating.scheduler, True, flight.cancelled.is_set)
+    async def _run(self, message, parsed, flight, reply, probes, wanted, shared):
+        """The service function through Seating: in the model thread, or (`shared`) in a service
+        thread with a seated runtime. The hold lasts until the thread is done, even if this task is
+        cancelled meanwhile (then the request's `cancelled` is set first). NOT_RUN when `wanted`
+        is not resident with clean weights once the hold is granted."""
         if message.get("stream"):
-            work = (self._pump_stream, runtime, parsed, flight.cancelled, reply, asyncio.get_running_loop())
+            work = (self._pump_stream, parsed, flight.cancelled, reply, asyncio.get_running_loop())
         else:
-            work = (services.run, runtime, parsed, flight.cancelled.is_set, probes)
-        result = await self.worker.seating.in_thread(shared, *work, on_cancel=flight.cancelled.set)
-        if not message.get("stream"):
-            answer = {"type": "result", "body": result.body, "headers": result.headers}
-            await send_to(get_channel_layer(), reply, answer)
+            work = (services.run, parsed, flight.cancelled.is_set, probes)
+
+        def started():
+            flight.running = True
+
+        return await self.worker.seating.run(wanted, *work, interactive=True, shared=shared,
+                                             cancelled=flight.cancelled, deadline=message["deadline"], on_start=started)
 
     def _pump_stream(self, runtime, parsed, cancelled, reply, loop):
         """Runs in the model or a service thread: generate chunks and send each as it is made.
