@@ -16,8 +16,10 @@ from millm_lib.streaming import file_response
 LEADING = ["id", "status", "waiting_reason", "total", "completed", "failed", "lease", "lease_mode", "endpoint", "model"]
 FOLDED = {
     "Files": ["input_file", "output_file", "error_file"],
-    "Times": ["created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
-              "expired_at", "cancelling_at", "cancelled_at"],
+    # Each state's stamp (validating has none: it is created_at), in the model's order.
+    "Times": ["created_at", "expires_at",
+              *(field.name for field in Batch._meta.fields
+                if field.name.endswith("_at") and field.name[:-3] in Batch.Status.values)],
     "Options": ["completion_window", "metadata", "pack", "pack_window", "batched_decoding", "output_expires_after"],
 }
 

@@ -11,6 +11,7 @@ import json
 
 from django.utils import timezone
 
+from batches_app import lifecycle
 from inference_app.catalogue import resolve
 from inference_app.leases import LEASE_HEADER, lease_expired, model_leased, presented_lease
 from inference_app.models import Engine, Lease
@@ -106,7 +107,7 @@ def hold(batch, engine_id, ttl_seconds):
             lease.renew()
         return True
     live = Lease.objects.on_model(batch.model)
-    if live is not None and is_batch_lease(live) and not led_by_a_running_engine(live):
+    if live is not None and is_batch_lease(live) and not led_by_a_running_engine(live, type(batch).objects):
         # Left by a batch that ended without releasing (a crash): batches queue, they do
         # not block each other.
         Lease.objects.end_all("superseded by another batch", pk=live.pk)
@@ -121,15 +122,14 @@ def hold(batch, engine_id, ttl_seconds):
     return True
 
 
-def led_by_a_running_engine(lease):
+def led_by_a_running_engine(lease, batches):
     """The batch a batch lease was taken for is unfinished and claimed by a running engine
     (another replica's leader, SPEC 10c): its lease is no crash's leftover, and this batch waits.
     A finalizing batch counts: its assembly releases the lease once its files are written (a
-    replica polling meanwhile superseded it, test_replicas_inprocess found)."""
-    from batches_app.models import Batch  # models imports this module
-
-    return Batch.objects.filter(pk=lease.holder.removeprefix(HOLDER_PREFIX), status__in=Batch.UNFINISHED,
-                                claimed_by__in=Engine.objects.running().values("pk")).exists()
+    replica polling meanwhile superseded it, test_replicas_inprocess found). `batches`: the
+    batches' manager, handed in (models imports this module)."""
+    return batches.filter(pk=lease.holder.removeprefix(HOLDER_PREFIX), status__in=lifecycle.UNFINISHED,
+                          claimed_by__in=Engine.objects.running().values("pk")).exists()
 
 
 def is_held(batch):

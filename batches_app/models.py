@@ -11,7 +11,7 @@ from django.db.models import Case, Count, Exists, F, OuterRef, Q, Sum, Value, Wh
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from batches_app import leasing
+from batches_app import leasing, lifecycle
 from batches_app.shapes import (
     BatchErrors,
     BatchMillm,
@@ -193,24 +193,11 @@ def _running_engines():
 
 
 class Batch(models.Model):
-    class Status(models.TextChoices):
-        VALIDATING = "validating"
-        FAILED = "failed"
-        IN_PROGRESS = "in_progress"
-        FINALIZING = "finalizing"
-        COMPLETED = "completed"
-        EXPIRED = "expired"
-        CANCELLING = "cancelling"
-        CANCELLED = "cancelled"
-
-    class Waiting(models.TextChoices):
-        QUEUED = "queued"
-        MODEL_NOT_RESIDENT = "model_not_resident"
-        LEASE_UNAVAILABLE = "lease_unavailable"
-        WEIGHTS_TORN = "weights_torn"
-
-    UNFINISHED = [Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING]
-    ENDED = [Status.COMPLETED, Status.FAILED, Status.EXPIRED, Status.CANCELLED]
+    # The life cycle's vocabulary (lifecycle.py), where the code that moves batches reads it.
+    Status = lifecycle.Status
+    Waiting = lifecycle.Waiting
+    UNFINISHED = lifecycle.UNFINISHED
+    ENDED = lifecycle.ENDED
 
     id = models.CharField(primary_key=True, max_length=40)
     endpoint = models.CharField(max_length=64)
@@ -558,7 +545,7 @@ class Batch(models.Model):
             )
             # batch.completed, .failed, .expired or .cancelled, to each subscribed endpoint, in
             # this transaction: a crash between the end and its delivery cannot lose the event.
-            Delivery.objects.enqueue(f"batch.{end}", {"id": self.pk}, ended_at, project=self.project)
+            Delivery.objects.enqueue(lifecycle.end_event_type(end), {"id": self.pk}, ended_at, project=self.project)
             # The files are the truth now: a row keeps what the console and resume read (line,
             # custom_id, outcome, request id, packed), not the request, the answer (embedding
             # vectors), the error or the headers.

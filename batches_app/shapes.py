@@ -7,6 +7,7 @@ from drf_spectacular.utils import extend_schema_serializer
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import NotRequired
 
+from batches_app.lifecycle import Status
 from millm_lib.limits import BATCH_ENDPOINTS, EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
 from millm_lib.shapes import Shape
 
@@ -62,9 +63,7 @@ class BatchObject(Shape):
     errors: BatchErrors | None
     input_file_id: str
     completion_window: str
-    status: Literal[
-        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
-    ]
+    status: Literal[tuple(Status.values)]
     output_file_id: str | None
     error_file_id: str | None
     created_at: int

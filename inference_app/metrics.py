@@ -3,13 +3,13 @@
 
 from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
+from inference_app.models import Engine
+
 
 class EngineCollector:
     """Queue depth per engine, read from the heartbeat rows when Prometheus scrapes."""
 
     def collect(self):
-        from inference_app.models import Engine
-
         waiting = GaugeMetricFamily("millm_queue_waiting", "Interactive requests waiting", labels=["engine", "model"])
         in_flight = GaugeMetricFamily("millm_queue_in_flight", "Slot holders", labels=["engine", "model"])
         alive = GaugeMetricFamily("millm_engine_alive", "1 when the heartbeat is fresh", labels=["engine", "model"])

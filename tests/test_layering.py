@@ -148,3 +148,33 @@ def test_the_policy_finder_finds_a_copied_rule():
         assert policy_duplicates([copy]) == [("var/layering-probe.py", "the seats a batch may take")]
     finally:
         copy.unlink()
+
+
+# --- no import circle broken by an import inside a function (issue 28, point 5) ---
+
+def imports_inside_functions(path, package):
+    """(function, module) for each import of `package`'s own modules inside a function of `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [(node.name, inner.module) for inner in ast.walk(node)
+                      if isinstance(inner, ast.ImportFrom) and (inner.module or "").split(".")[0] == package]
+    return found
+
+
+def test_no_module_imports_its_own_app_inside_a_function():
+    # An app's config imports at ready() (the app registry's rule), and a management command
+    # imports what it runs when it runs (a web process never loads torch).
+    found = [
+        (str(path.relative_to(ROOT)), *found)
+        for app in (*APPS, "millm_lib") for path in (ROOT / app).rglob("*.py")
+        if path.name != "apps.py" and "management" not in path.parts and "migrations" not in path.parts
+        for found in imports_inside_functions(path, app)
+    ]
+    assert found == []
+
+
+def test_the_inner_import_finder_finds_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def later():\n    from batches_app.models import Batch\n    return Batch\n")
+    assert imports_inside_functions(probe, "batches_app") == [("later", "batches_app.models")]

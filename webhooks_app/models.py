@@ -23,13 +23,20 @@ from millm_lib.ids import new_id
 from projects_app.models import DEFAULT_PROJECT, OwnedQuerySet
 from millm_lib.pagination import cursor_page
 
-BATCH_EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+# The event types endpoints may subscribe to, registered by the apps that send them (batches_app:
+# its ends, from its config, which runs before anything reads this).
+EVENT_TYPES = []
 SECRET_PREFIX = "whsec_"
 ROTATION_OVERLAP = timedelta(hours=24)
 NAME_MAX = 256
 CLAIM_MARGIN_S = 5  # beyond the send timeout, before another engine may take a claimed delivery
 ERROR_MAX = 500
 ANSWER_MAX = 1024
+
+
+def register_event_types(types):
+    """Another app's event types (once per process: app loading may run again in tests)."""
+    EVENT_TYPES.extend(event_type for event_type in types if event_type not in EVENT_TYPES)
 
 
 def stamp(moment):
@@ -113,17 +120,6 @@ class WebhookEndpoint(models.Model):
     @property
     def secret_hint(self):
         return f"{SECRET_PREFIX}…{self.secret[-4:]}"
-
-    def to_openai(self, with_secret=False):
-        from webhooks_app.shapes import WebhookEndpointObject, WebhookEndpointWithSecret
-
-        fields = dict(
-            id=self.id, object="webhook_endpoint", name=self.name, url=self.url, event_types=list(self.event_types),
-            created_at=stamp(self.created_at), updated_at=stamp(self.updated_at), signing_secret_hint=self.secret_hint,
-        )
-        if with_secret:
-            return WebhookEndpointWithSecret(**fields, signing_secret=self.secret)
-        return WebhookEndpointObject(**fields)
 
 
 def _new_secret():
@@ -252,17 +248,6 @@ class Delivery(models.Model):
             claimed_by=None, claim_token=None, claimed_until=None,
         )
 
-    def to_openai(self):
-        from webhooks_app.shapes import WebhookDeliveryObject
-
-        return WebhookDeliveryObject(
-            id=self.id, object="webhook_delivery", webhook_endpoint_id=self.endpoint_id, event_id=self.event_id,
-            event_type=self.event_type, status=self.status, attempts=self.attempts, created_at=stamp(self.created_at),
-            last_attempt_at=stamp(self.last_attempt_at), last_status_code=self.last_status_code,
-            last_error=self.last_error or None,
-            next_attempt_at=stamp(self.next_attempt_at) if self.status == self.Status.PENDING else None,
-            delivered_at=stamp(self.delivered_at),
-        )
 
 
 def backoff(attempt):

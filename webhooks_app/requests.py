@@ -4,7 +4,7 @@ was sent (nothing is stored when one fails)."""
 import json
 
 from millm_lib.errors import ApiError
-from webhooks_app.models import BATCH_EVENT_TYPES, NAME_MAX
+from webhooks_app.models import EVENT_TYPES, NAME_MAX
 from webhooks_app.targets import url_problem
 
 CODE = "invalid_webhook_request"
@@ -85,8 +85,8 @@ def _event_types(value):
 
 
 def _event_type(value, param):
-    if value not in BATCH_EVENT_TYPES:
-        raise refuse(f"{param} is {_shown(value)}: this server sends only {', '.join(BATCH_EVENT_TYPES)}", param)
+    if value not in EVENT_TYPES:
+        raise refuse(f"{param} is {_shown(value)}: this server sends only {', '.join(EVENT_TYPES)}", param)
     return value
 
 

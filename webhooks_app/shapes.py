@@ -3,14 +3,18 @@ miServer's own) and the bodies it takes, as /api/schema/ shows them (requests.py
 
 from typing import Literal
 
+from django.core.exceptions import ImproperlyConfigured
 from drf_spectacular.utils import extend_schema_serializer
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
 
 from millm_lib.shapes import Shape
-from webhooks_app.models import BATCH_EVENT_TYPES, NAME_MAX
+from webhooks_app.models import EVENT_TYPES, NAME_MAX, stamp
 
-EventType = Literal[BATCH_EVENT_TYPES]
+# Built once the apps are ready (the registering apps' configs have run): urls and schema import it.
+if not EVENT_TYPES:
+    raise ImproperlyConfigured("webhooks_app.shapes was imported before any app registered its event types")
+EventType = Literal[tuple(EVENT_TYPES)]
 
 
 class WebhookEndpointObject(Shape):
@@ -106,3 +110,29 @@ class EndpointTest(BaseModel):
 class RotateSecret(BaseModel):
     model_config = ConfigDict(extra="forbid")
     keep_old_secret_active_for_24_hours: bool | None = None
+
+
+# --- the bodies, built from the rows ---
+
+def endpoint_object(endpoint, with_secret=False):
+    """A WebhookEndpoint as the API shows it; `with_secret` once, when it is made or rotated."""
+    fields = dict(
+        id=endpoint.id, object="webhook_endpoint", name=endpoint.name, url=endpoint.url,
+        event_types=list(endpoint.event_types), created_at=stamp(endpoint.created_at),
+        updated_at=stamp(endpoint.updated_at), signing_secret_hint=endpoint.secret_hint,
+    )
+    if with_secret:
+        return WebhookEndpointWithSecret(**fields, signing_secret=endpoint.secret)
+    return WebhookEndpointObject(**fields)
+
+
+def delivery_object(delivery):
+    """A Delivery as the API shows it: its next attempt only while it is pending."""
+    return WebhookDeliveryObject(
+        id=delivery.id, object="webhook_delivery", webhook_endpoint_id=delivery.endpoint_id, event_id=delivery.event_id,
+        event_type=delivery.event_type, status=delivery.status, attempts=delivery.attempts,
+        created_at=stamp(delivery.created_at), last_attempt_at=stamp(delivery.last_attempt_at),
+        last_status_code=delivery.last_status_code, last_error=delivery.last_error or None,
+        next_attempt_at=stamp(delivery.next_attempt_at) if delivery.status == delivery.Status.PENDING else None,
+        delivered_at=stamp(delivery.delivered_at),
+    )

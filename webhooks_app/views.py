@@ -11,8 +11,8 @@ from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.openapi import PATH_ID, drf_errors
 from millm_lib.pagination import list_page, query_int
-from webhooks_app import requests, sending
-from webhooks_app.models import BATCH_EVENT_TYPES, Delivery, WebhookEndpoint, event_body
+from webhooks_app import requests, sending, shapes
+from webhooks_app.models import EVENT_TYPES, Delivery, WebhookEndpoint, event_body
 from webhooks_app.shapes import (
     EndpointCreate, EndpointTest, EndpointUpdate, RotateSecret, WebhookDeliveryList, WebhookEndpointDeleted,
     WebhookEndpointList, WebhookEndpointObject, WebhookEndpointTestResult, WebhookEndpointWithSecret,
@@ -31,25 +31,25 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
     def list(self, request):
         limit = query_int(request, "limit", 20, 1, 100)
         items, has_more = WebhookEndpoint.objects.owned_by(request.project).page(request.query_params.get("after"), limit)
-        return Response(list_page(WebhookEndpointList, [endpoint.to_openai() for endpoint in items], has_more))
+        return Response(list_page(WebhookEndpointList, [shapes.endpoint_object(endpoint) for endpoint in items], has_more))
 
     @extend_schema(summary="Register a webhook endpoint; its signing secret is answered this once",
                    request=EndpointCreate, responses={200: WebhookEndpointWithSecret, **drf_errors()})
     def create(self, request):
         endpoint = WebhookEndpoint.register(**requests.endpoint_fields(request.data), project=request.project)
-        return Response(endpoint.to_openai(with_secret=True))
+        return Response(shapes.endpoint_object(endpoint, with_secret=True))
 
     @extend_schema(summary="A webhook endpoint", parameters=[PATH_ID],
                    responses={200: WebhookEndpointObject, **drf_errors()})
     def retrieve(self, request, pk=None):
-        return Response(_endpoint(request, pk).to_openai())
+        return Response(shapes.endpoint_object(_endpoint(request, pk)))
 
     @extend_schema(summary="Change a webhook endpoint's name, url or event types", operation_id="v1_webhook_endpoints_update",
                    parameters=[PATH_ID],
                    request=EndpointUpdate, responses={200: WebhookEndpointObject, **drf_errors()})
     def change(self, request, pk=None):
         endpoint = _endpoint(request, pk)
-        return Response(endpoint.change(**requests.endpoint_fields(request.data, partial=True)).to_openai())
+        return Response(shapes.endpoint_object(endpoint.change(**requests.endpoint_fields(request.data, partial=True))))
 
     @extend_schema(summary="Delete a webhook endpoint; its pending deliveries are never sent", parameters=[PATH_ID],
                    responses={200: WebhookEndpointDeleted, **drf_errors()})
@@ -75,7 +75,7 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
     def rotate_secret(self, request, pk=None):
         endpoint = _endpoint(request, pk)
         keep_old = requests.keep_old_secret(request.data)
-        return Response(endpoint.rotate_secret(keep_old).to_openai(with_secret=True))
+        return Response(shapes.endpoint_object(endpoint.rotate_secret(keep_old), with_secret=True))
 
     @extend_schema(summary="An endpoint's deliveries, newest first (miServer's own)", parameters=[PATH_ID, *PAGE],
                    responses={200: WebhookDeliveryList, **drf_errors()})
@@ -83,11 +83,11 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
         endpoint = _endpoint(request, pk)
         limit = query_int(request, "limit", 20, 1, 100)
         items, has_more = Delivery.objects.filter(endpoint=endpoint).page(request.query_params.get("after"), limit)
-        return Response(list_page(WebhookDeliveryList, [delivery.to_openai() for delivery in items], has_more))
+        return Response(list_page(WebhookDeliveryList, [shapes.delivery_object(delivery) for delivery in items], has_more))
 
     @extend_schema(summary="The event types this server sends", responses={200: WebhookEventTypeList, **drf_errors()})
     def event_types(self, request):
-        return Response(WebhookEventTypeList(object="list", data=list(BATCH_EVENT_TYPES)))
+        return Response(WebhookEventTypeList(object="list", data=list(EVENT_TYPES)))
 
     def perform_content_negotiation(self, request, force=False):
         return super().perform_content_negotiation(request, force=True)

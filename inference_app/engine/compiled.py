@@ -26,6 +26,7 @@ import torch
 from torch._dynamo import lookup_backend
 
 from inference_app.engine import quantized
+from inference_app.engine.decoding import BatchedDecoder
 
 log = logging.getLogger("millm.engine")
 
@@ -76,8 +77,6 @@ class CompiledStep:
 
     def warm(self, runtime):
         """Compile both buckets now (one row, then two), so no request waits for a compile."""
-        from inference_app.engine.decoding import BatchedDecoder
-
         started = time.monotonic()
         decoder = BatchedDecoder(runtime)
         widths = bucket_widths(self.model)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from webhooks_app.models import BATCH_EVENT_TYPES, WebhookEndpoint
+from webhooks_app.models import EVENT_TYPES, WebhookEndpoint
 
 pytestmark = pytest.mark.django_db
 
@@ -57,7 +57,7 @@ def test_delete_and_a_missing_id(client):
 
 
 def test_the_event_types_listed_are_the_four_batch_ends(client):
-    assert client.get("/v1/webhook_event_types").json() == {"object": "list", "data": list(BATCH_EVENT_TYPES)}
+    assert client.get("/v1/webhook_event_types").json() == {"object": "list", "data": list(EVENT_TYPES)}
 
 
 @pytest.mark.parametrize("change, param, says", [
