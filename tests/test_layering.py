@@ -178,3 +178,36 @@ def test_the_inner_import_finder_finds_one(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def later():\n    from batches_app.models import Batch\n    return Batch\n")
     assert imports_inside_functions(probe, "batches_app") == [("later", "batches_app.models")]
+
+
+# --- the runner in roles (issue 28, point 1) ---
+
+def class_sizes(paths):
+    """(path, class, lines) of every class in `paths`."""
+    return [(str(path.relative_to(ROOT)), node.name, node.end_lineno - node.lineno + 1)
+            for path in paths for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)]
+
+
+def test_no_class_is_over_300_lines_except_a_models_class_at_400():
+    paths = [path for app in (*APPS, "millm_lib") for path in (ROOT / app).rglob("*.py") if "migrations" not in path.parts]
+    too_long = [(path, name, lines) for path, name, lines in class_sizes(paths)
+                if lines > (400 if path.endswith("models.py") else 300)]
+    assert too_long == []
+
+
+def test_a_leader_and_a_helper_are_objects_not_a_flag_threaded_through_the_runner():
+    runner = ast.parse((ROOT / "batches_app" / "runner.py").read_text())
+    flagged = [node.name for node in ast.walk(runner) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and "leading" in [argument.arg for argument in node.args.args]]
+    assert flagged == []
+    roles = {node.name for node in ast.parse((ROOT / "batches_app" / "roles.py").read_text()).body
+             if isinstance(node, ast.ClassDef)}
+    assert roles == {"Leader", "Helper"}
+
+
+def test_rows_run_on_the_model_through_the_engines_one_call():
+    # batches_app hands rows to the engine (run_rows) and never calls a service function or the
+    # packing code on a row itself.
+    sources = "\n".join(path.read_text() for path in (ROOT / "batches_app").rglob("*.py"))
+    assert "services.run(" not in sources and "run_packed(" not in sources
+    assert "run_rows(" in (ROOT / "batches_app" / "chunks.py").read_text()

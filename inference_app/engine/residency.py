@@ -313,7 +313,7 @@ class Residency:
                 return WeightsState(model=runtime.model_id, weights=ModelEntry.Weights.TORN, written=written)
             if self.weights_torn:
                 raise weights_torn(runtime.model_id)
-            return self._save(runtime)
+            return save_checkpoint(runtime, self.worker.engine_id)
         finally:
             connection.close()  # this thread's connection; the DB thread keeps its own
 
@@ -324,40 +324,40 @@ class Residency:
         self.weights_torn = torn
         log.info("the weights of %s are %s", model_id, state)
 
-    def _save(self, runtime):
-        """Write the resident weights as a new checkpoint, which the resident model becomes: the
-        id it had stops resolving to them (SPEC 5). Leases on it follow the weights."""
-        engine_id = self.worker.engine_id
-        previous = ModelEntry.objects.get(pk=runtime.model_id)
-        # The tensors are written first, outside any transaction; the entry and the rename of
-        # the staged folder to its id's folder are one short transaction.
-        staged, revision = weights.stage(runtime.model, settings.MILLM_DATA_DIR)
 
-        def path_of(model_id):
-            return weights.checkpoint_folder(settings.MILLM_DATA_DIR, model_id) / weights.CHECKPOINT_FILE
+def save_checkpoint(runtime, engine_id):
+    """Write the resident weights as a new checkpoint, which the resident model becomes: the
+    id it had stops resolving to them (SPEC 5). Leases on it follow the weights."""
+    previous = ModelEntry.objects.get(pk=runtime.model_id)
+    # The tensors are written first, outside any transaction; the entry and the rename of
+    # the staged folder to its id's folder are one short transaction.
+    staged, revision = weights.stage(runtime.model, settings.MILLM_DATA_DIR)
 
-        try:
-            for attempt in range(3):
-                try:
-                    with transaction.atomic():
-                        checkpoint = previous.new_checkpoint(path_of, revision)
-                        path = Path(checkpoint.source)
-                        # The id is ours now: a folder already there is a crash's leftover.
-                        shutil.rmtree(path.parent, ignore_errors=True)
-                        os.rename(staged, path.parent)
-                    break
-                except IntegrityError:
-                    if attempt == 2:
-                        raise  # another engine saved checkpoints of the same base three times meanwhile
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)  # gone already, unless the entry was not made
-        runtime.rename(checkpoint.pk, revision)
-        Lease.objects.follow_rename(previous.pk, checkpoint.pk)
-        Engine.objects.set_resident(engine_id, checkpoint.pk)
-        ModelEntry.objects.release_unless_served(previous.pk, engine_id)
-        log.info("saved the weights of %s as %s (%s)", previous.pk, checkpoint.pk, path)
-        return SavedCheckpoint(model=checkpoint.pk, base=checkpoint.base_id, renamed_from=previous.pk,
-                               revision=revision, path=str(path))
+    def path_of(model_id):
+        return weights.checkpoint_folder(settings.MILLM_DATA_DIR, model_id) / weights.CHECKPOINT_FILE
+
+    try:
+        for attempt in range(3):
+            try:
+                with transaction.atomic():
+                    checkpoint = previous.new_checkpoint(path_of, revision)
+                    path = Path(checkpoint.source)
+                    # The id is ours now: a folder already there is a crash's leftover.
+                    shutil.rmtree(path.parent, ignore_errors=True)
+                    os.rename(staged, path.parent)
+                break
+            except IntegrityError:
+                if attempt == 2:
+                    raise  # another engine saved checkpoints of the same base three times meanwhile
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)  # gone already, unless the entry was not made
+    runtime.rename(checkpoint.pk, revision)
+    Lease.objects.follow_rename(previous.pk, checkpoint.pk)
+    Engine.objects.set_resident(engine_id, checkpoint.pk)
+    ModelEntry.objects.release_unless_served(previous.pk, engine_id)
+    log.info("saved the weights of %s as %s (%s)", previous.pk, checkpoint.pk, path)
+    return SavedCheckpoint(model=checkpoint.pk, base=checkpoint.base_id, renamed_from=previous.pk,
+                           revision=revision, path=str(path))
 
 
 def torch_cuda_available():

@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 from batches_app.models import Batch, BatchRow
-from batches_app.runner import PendingRow, execute_rows
+from batches_app.chunks import PendingRow, execute_rows
 from tests.e2e.stack import EXECUTED
 
 ENDED = (Batch.Status.COMPLETED, Batch.Status.FAILED, Batch.Status.EXPIRED, Batch.Status.CANCELLED)

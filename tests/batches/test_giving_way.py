@@ -3,7 +3,7 @@
 import asyncio
 
 from batches_app.models import BatchRow
-from batches_app.runner import PendingRow, execute_rows
+from batches_app.chunks import PendingRow, execute_rows
 from inference_app.engine.admission import AdmissionSlot
 
 COMPLETIONS = "/v1/completions"

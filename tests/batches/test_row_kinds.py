@@ -4,7 +4,7 @@ decided as the service functions decide it."""
 import pytest
 
 from batches_app.models import BatchRow
-from batches_app.runner import PendingRow
+from batches_app.chunks import PendingRow
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
