@@ -1,7 +1,7 @@
-"""POST /v1/batches: every create check of SPEC 10, in order, each refusal naming its field."""
+"""POST /v1/batches: every create check of SPEC 10, each refusal naming its field: the body by its
+model (`shapes.BatchCreate`), then the input file, the lease and the quotas (they read the
+database)."""
 
-import json
-import re
 from datetime import timedelta
 
 from django.conf import settings
@@ -10,16 +10,16 @@ from django.utils import timezone
 
 from batches_app import leasing
 from batches_app.models import Batch
+from batches_app.shapes import BatchCreate
 from files_app.models import File, IdempotencyKey
+from millm_lib.bodies import validate_body
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from millm_lib.limits import BATCH_ENDPOINTS, EXPIRES_AFTER_MAX_S, EXPIRES_AFTER_MIN_S
 
-WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
-KNOWN = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after", "pack", "pack_window", "batched_decoding"}
+CODE = "invalid_batch_request"
 
 
-def refuse(message, param, code="invalid_batch_request", status=400):
+def refuse(message, param, code=CODE, status=400):
     return ApiError(status, code, message, param=param)
 
 
@@ -30,38 +30,18 @@ def create_batch(body, lease_header=None, idempotency_key=None, project=None):
     existing = IdempotencyKey.lookup("batch", idempotency_key, project)
     if existing is not None:
         return Batch.objects.get(pk=existing)
-    unknown = [key for key in body if key not in KNOWN]
-    if unknown:
-        raise refuse(f"Unknown field '{unknown[0]}'; a batch takes {', '.join(sorted(KNOWN))}", unknown[0])
-    input_file = _input_file(body.get("input_file_id"), project)
-    endpoint = body.get("endpoint")
-    if endpoint not in BATCH_ENDPOINTS:
-        raise refuse(f"endpoint must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}", "endpoint")
-    window_hours = _window(body.get("completion_window"))
-    metadata = _metadata(body.get("metadata"))
-    output_expiry = _output_expiry(body.get("output_expires_after"))
-    pack = body.get("pack", settings.BATCH_PACK_DEFAULT)
-    if pack is None:
-        pack = settings.BATCH_PACK_DEFAULT
-    if not isinstance(pack, bool):
-        raise refuse(f"pack must be true or false, got {pack!r}", "pack")
-    pack_window = body.get("pack_window", settings.BATCH_PACK_WINDOW_DEFAULT)
-    if pack_window is None:
-        pack_window = settings.BATCH_PACK_WINDOW_DEFAULT
-    if isinstance(pack_window, bool) or not isinstance(pack_window, int) or not 0 <= pack_window <= settings.BATCH_PACK_WINDOW_MAX:
-        raise refuse(f"pack_window must be a whole number from 0 to {settings.BATCH_PACK_WINDOW_MAX} (BATCH_PACK_WINDOW_MAX), got {pack_window!r}", "pack_window")
-    batched_decoding = body.get("batched_decoding", settings.BATCH_DECODING_DEFAULT)
-    if batched_decoding is None:
-        batched_decoding = settings.BATCH_DECODING_DEFAULT
-    if not isinstance(batched_decoding, bool):
-        raise refuse(f"batched_decoding must be true or false, got {batched_decoding!r}", "batched_decoding")
-    lease = leasing.lease_for_new_batch(lease_header, input_file, endpoint, project)
+    request = validate_body(BatchCreate, body, CODE)
+    input_file = _input_file(request.input_file_id, project)
+    lease = leasing.lease_for_new_batch(lease_header, input_file, request.endpoint, project)
     now = timezone.now()
     batch = Batch(
-        id=new_id("batch_"), endpoint=endpoint, input_file=input_file, completion_window=body["completion_window"],
-        created_at=now, expires_at=now + timedelta(hours=window_hours), metadata=metadata,
-        output_expires_after=output_expiry, pack=pack, pack_window=pack_window,
-        batched_decoding=batched_decoding,
+        id=new_id("batch_"), endpoint=request.endpoint, input_file=input_file,
+        completion_window=request.completion_window, created_at=now,
+        expires_at=now + timedelta(hours=int(request.completion_window[:-1])), metadata=request.metadata,
+        output_expires_after=request.output_expires_after.seconds if request.output_expires_after else None,
+        pack=_default(request.pack, settings.BATCH_PACK_DEFAULT),
+        pack_window=_default(request.pack_window, settings.BATCH_PACK_WINDOW_DEFAULT),
+        batched_decoding=_default(request.batched_decoding, settings.BATCH_DECODING_DEFAULT),
         lease=lease, lease_mode=leasing.CALLER if lease else None, project=project,
     )
     try:
@@ -74,10 +54,12 @@ def create_batch(body, lease_header=None, idempotency_key=None, project=None):
     return batch
 
 
+def _default(value, default):
+    return default if value is None else value
+
+
 def _input_file(file_id, project):
-    if not isinstance(file_id, str) or not file_id:
-        got = "" if file_id is None else f", got {json.dumps(file_id)[:80]}"
-        raise refuse(f"input_file_id is required: the id of a file uploaded with purpose batch{got}", "input_file_id")
+    """The caller's batch file `file_id` (the body model checked it is a non-empty string)."""
     # A batch uses only its own project's files: another's answers exactly as an unknown id.
     file = File.objects.owned_by(project).filter(pk=file_id).first()
     if file is None:
@@ -89,35 +71,3 @@ def _input_file(file_id, project):
     if file.is_expired:
         raise refuse(f"The file '{file_id}' has expired", "input_file_id", "file_expired", 404)
     return file
-
-
-def _window(value):
-    match = WINDOW.match(value) if isinstance(value, str) else None
-    hours = int(match.group(1)) if match else 0
-    limit = settings.BATCH_MAX_COMPLETION_WINDOW_HOURS
-    if not 1 <= hours <= limit:
-        raise refuse(f"completion_window must be '24h' or whole hours from '1h' to '{limit}h', got {value!r}", "completion_window")
-    return hours
-
-
-def _metadata(value):
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > 16:
-        raise refuse("metadata must be an object of at most 16 string pairs", "metadata")
-    for key, item in value.items():
-        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
-            raise refuse(f"metadata['{key[:64]}']: keys are at most 64 characters and values strings of at most 512", "metadata")
-    return value
-
-
-def _output_expiry(value):
-    if value is None:
-        return None
-    low, high = EXPIRES_AFTER_MIN_S, EXPIRES_AFTER_MAX_S
-    if not isinstance(value, dict) or value.get("anchor") != "created_at":
-        raise refuse('output_expires_after must be {"anchor": "created_at", "seconds": N}', "output_expires_after.anchor")
-    seconds = value.get("seconds")
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
-        raise refuse(f"output_expires_after.seconds must be from {low:,} to {high:,}, got {seconds!r}", "output_expires_after.seconds")
-    return seconds

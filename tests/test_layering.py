@@ -211,3 +211,15 @@ def test_rows_run_on_the_model_through_the_engines_one_call():
     sources = "\n".join(path.read_text() for path in (ROOT / "batches_app").rglob("*.py"))
     assert "services.run(" not in sources and "run_packed(" not in sources
     assert "run_rows(" in (ROOT / "batches_app" / "chunks.py").read_text()
+
+
+# --- request bodies from one model each (issue 28, point 3) ---
+
+def test_batch_and_webhook_bodies_are_validated_by_their_schema_models_not_by_hand():
+    for path in ("batches_app/creation.py", "webhooks_app/views.py"):
+        text = (ROOT / path).read_text()
+        assert "validate_body(" in text, path
+        assert "isinstance(" not in text.replace("if not isinstance(body, dict)", ""), path  # no field checked by hand
+        assert "body.get(" not in text and "data.get(" not in text, path  # a body is read through its model
+    assert not (ROOT / "webhooks_app" / "requests.py").exists()
+    assert "WINDOW = re.compile" not in (ROOT / "batches_app" / "creation.py").read_text()

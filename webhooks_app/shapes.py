@@ -1,15 +1,17 @@
 """The bodies the webhook endpoints API sends (OpenAI's, as its SDK reads them; deliveries are
-miServer's own) and the bodies it takes, as /api/schema/ shows them (requests.py checks them)."""
+miServer's own) and the bodies it takes, validated by the models /api/schema/ shows."""
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from django.core.exceptions import ImproperlyConfigured
 from drf_spectacular.utils import extend_schema_serializer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
 
+from millm_lib.bodies import refused
 from millm_lib.shapes import Shape
 from webhooks_app.models import EVENT_TYPES, NAME_MAX, stamp
+from webhooks_app.targets import URL_MAX, url_problem
 
 # Built once the apps are ready (the registering apps' configs have run): urls and schema import it.
 if not EVENT_TYPES:
@@ -84,32 +86,70 @@ class WebhookDeliveryList(Shape):
     has_more: bool
 
 
+def _allowed_url(url):
+    """The receiver checks of targets.py (scheme, credentials, host, MILLM_WEBHOOK_ALLOWED_HOSTS)."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise refused(problem)
+    return url
+
+
+Name = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=r"\S")]
+Url = Annotated[str, Field(min_length=1, max_length=URL_MAX, description="http(s), no credentials; a host "
+                           "MILLM_WEBHOOK_ALLOWED_HOSTS allows"), AfterValidator(_allowed_url)]
+# Each event type once, in the order first sent.
+EventTypes = Annotated[list[EventType], Field(min_length=1), AfterValidator(lambda types: list(dict.fromkeys(types)))]
+EVENT_TYPE_REFUSAL = "{param} is {got}: this server sends only {event_types}"
+ENDPOINT_REFUSALS = {
+    "name": (None, {"string_too_long": "name is {length} characters; the limit is {name_max}",
+                    "": "name must be a non-empty string, got {got}"}),
+    "url": (None, {"string_too_long": "url is {length} characters; the limit is {url_max}",
+                   "": "url must be an http(s) URL, got {got}"}),
+    "event_types": (None, {"": "event_types must be a non-empty list of event types, got {got}"}),
+    "event_types.#": (None, EVENT_TYPE_REFUSAL),
+}
+
+
 class EndpointCreate(BaseModel):
-    """POST /v1/webhook_endpoints; unknown keys are refused."""
+    """POST /v1/webhook_endpoints: validated by this model (millm_lib/bodies.py); unknown keys are
+    refused, and nothing is stored when one field is."""
 
-    model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(min_length=1, max_length=NAME_MAX)]
-    url: Annotated[str, Field(min_length=1, max_length=2048, description="http(s), no credentials")]
-    event_types: Annotated[list[EventType], Field(min_length=1)]
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Name
+    url: Url
+    event_types: EventTypes
+
+    UNKNOWN: ClassVar[str] = "Unknown field '{name}'; a webhook endpoint takes {known}"
+    REFUSALS: ClassVar[dict] = ENDPOINT_REFUSALS
+    LIMITS: ClassVar[dict] = {"name_max": NAME_MAX, "url_max": URL_MAX, "event_types": ", ".join(EVENT_TYPES)}
 
 
-class EndpointUpdate(BaseModel):
-    """POST /v1/webhook_endpoints/{id}: any of the fields."""
+class EndpointUpdate(EndpointCreate):
+    """POST /v1/webhook_endpoints/{id}: any of the fields (null: unchanged)."""
 
-    model_config = ConfigDict(extra="forbid")
-    name: Annotated[str, Field(min_length=1, max_length=NAME_MAX)] | None = None
-    url: Annotated[str, Field(min_length=1, max_length=2048)] | None = None
-    event_types: Annotated[list[EventType], Field(min_length=1)] | None = None
+    name: Name | None = None
+    url: Url | None = None
+    event_types: EventTypes | None = None
 
 
 class EndpointTest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     event_type: EventType
+
+    UNKNOWN: ClassVar[str] = "Unknown field '{name}'; a test takes {known}"
+    REFUSALS: ClassVar[dict] = {"event_type": (None, EVENT_TYPE_REFUSAL)}
+    LIMITS: ClassVar[dict] = {"event_types": ", ".join(EVENT_TYPES)}
 
 
 class RotateSecret(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     keep_old_secret_active_for_24_hours: bool | None = None
+
+    UNKNOWN: ClassVar[str] = "Unknown field '{name}'; a rotation takes {known}"
+    REFUSALS: ClassVar[dict] = {
+        "keep_old_secret_active_for_24_hours": (None, "keep_old_secret_active_for_24_hours must be true or false, "
+                                                      "got {got}"),
+    }
 
 
 # --- the bodies, built from the rows ---

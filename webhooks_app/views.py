@@ -1,5 +1,6 @@
 """/v1/webhook_endpoints as OpenAI's SDK calls it (`client.webhooks.*`), plus each endpoint's
-deliveries: a thin DRF viewset; behaviour lives on the models, checks in requests.py."""
+deliveries: a thin DRF viewset; behaviour lives on the models, bodies are validated by their
+shapes (millm_lib/bodies.py)."""
 
 from asgiref.sync import async_to_sync
 from django.utils import timezone
@@ -11,7 +12,8 @@ from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.openapi import PATH_ID, drf_errors
 from millm_lib.pagination import list_page, query_int
-from webhooks_app import requests, sending, shapes
+from millm_lib.bodies import validate_body
+from webhooks_app import sending, shapes
 from webhooks_app.models import EVENT_TYPES, Delivery, WebhookEndpoint, event_body
 from webhooks_app.shapes import (
     EndpointCreate, EndpointTest, EndpointUpdate, RotateSecret, WebhookDeliveryList, WebhookEndpointDeleted,
@@ -19,6 +21,7 @@ from webhooks_app.shapes import (
     WebhookEventTypeList,
 )
 
+CODE = "invalid_webhook_request"
 PAGE = [
     OpenApiParameter("limit", int, OpenApiParameter.QUERY, description="1-100 (default 20)"),
     OpenApiParameter("after", str, OpenApiParameter.QUERY, description="The last id of the previous page"),
@@ -36,7 +39,7 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
     @extend_schema(summary="Register a webhook endpoint; its signing secret is answered this once",
                    request=EndpointCreate, responses={200: WebhookEndpointWithSecret, **drf_errors()})
     def create(self, request):
-        endpoint = WebhookEndpoint.register(**requests.endpoint_fields(request.data), project=request.project)
+        endpoint = WebhookEndpoint.register(**_fields(EndpointCreate, request), project=request.project)
         return Response(shapes.endpoint_object(endpoint, with_secret=True))
 
     @extend_schema(summary="A webhook endpoint", parameters=[PATH_ID],
@@ -49,7 +52,7 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
                    request=EndpointUpdate, responses={200: WebhookEndpointObject, **drf_errors()})
     def change(self, request, pk=None):
         endpoint = _endpoint(request, pk)
-        return Response(shapes.endpoint_object(endpoint.change(**requests.endpoint_fields(request.data, partial=True))))
+        return Response(shapes.endpoint_object(endpoint.change(**_fields(EndpointUpdate, request))))
 
     @extend_schema(summary="Delete a webhook endpoint; its pending deliveries are never sent", parameters=[PATH_ID],
                    responses={200: WebhookEndpointDeleted, **drf_errors()})
@@ -61,7 +64,7 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
                    request=EndpointTest, responses={200: WebhookEndpointTestResult, **drf_errors()})
     def test(self, request, pk=None):
         endpoint = _endpoint(request, pk)
-        event_type = requests.test_event_type(request.data)
+        event_type = validate_body(EndpointTest, request.data, CODE).event_type
         payload = event_body(event_type, {"id": new_id("batch_")}, timezone.now())
         attempt = async_to_sync(_send_once)(endpoint, payload)
         if attempt.status_code is None:
@@ -74,7 +77,7 @@ class WebhookEndpointViewSet(viewsets.ViewSet):
                    parameters=[PATH_ID], request=RotateSecret, responses={200: WebhookEndpointWithSecret, **drf_errors()})
     def rotate_secret(self, request, pk=None):
         endpoint = _endpoint(request, pk)
-        keep_old = requests.keep_old_secret(request.data)
+        keep_old = bool(validate_body(RotateSecret, request.data, CODE).keep_old_secret_active_for_24_hours)
         return Response(shapes.endpoint_object(endpoint.rotate_secret(keep_old), with_secret=True))
 
     @extend_schema(summary="An endpoint's deliveries, newest first (miServer's own)", parameters=[PATH_ID, *PAGE],
@@ -105,3 +108,8 @@ def _endpoint(request, endpoint_id):
 async def _send_once(endpoint, payload):
     async with sending.client() as client:
         return await sending.send(client, endpoint.url, new_id("wh_"), payload, endpoint.signing_secrets())
+
+
+def _fields(model, request):
+    """The endpoint fields a create (all) or an update (those sent, not null) sets."""
+    return validate_body(model, request.data, CODE).model_dump(exclude_none=True)

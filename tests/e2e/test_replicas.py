@@ -63,6 +63,11 @@ def unrun(stack, batch_id):
     return stack.sql("SELECT count(*) FROM batches_app_batchrow WHERE batch_id = %s AND outcome = 'pending'", [batch_id])[0][0]
 
 
+def status(stack, batch_id):
+    rows = stack.sql("SELECT status FROM batches_app_batch WHERE id = %s", [batch_id])
+    return rows[0][0] if rows else None
+
+
 def chats_granted(stack):
     return dict(stack.sql("SELECT id, queue_waits_total FROM inference_app_engine WHERE role = 'active'"))
 
@@ -77,9 +82,14 @@ def test_two_replicas_each_run_part_of_one_batch_and_chats_spread_over_them(repl
         work = [e["batch_work"] for e in active(stack) if e["batch_work"]]
         seen_helper |= {w["role"] for w in work} == {"leader", "helper"} and {w["batch"] for w in work} == {batch.id}
         # The backlog counts each unrun row once, however many replicas run the batch (issue 26).
+        # Sampled once the batch runs: while it validates its rows are being written, and a
+        # validation committing between the two counts below moved the bound from 0 to 120 rows
+        # (a failure seen once).
+        validated = status(stack, batch.id) not in ("validating", None)
         unrun_before = unrun(stack, batch.id)
         backlog = httpx.get(stack.web.url + "/api/health/detailed", timeout=5).json()["inference"]["batch_backlog_rows"]
-        backlogs.append((unrun(stack, batch.id) - CHUNK, backlog, unrun_before + CHUNK))
+        if validated:
+            backlogs.append((unrun(stack, batch.id) - CHUNK, backlog, unrun_before + CHUNK))
         time.sleep(0.05)
     assert [sample for sample in backlogs if not sample[0] <= sample[1] <= sample[2]] == []
     assert any(backlog > 0 for _, backlog, _ in backlogs)
