@@ -42,6 +42,10 @@ QUEUED_ROWS = Case(
 )
 
 
+# The batch quotas' use, as aggregates: over one project's batches, or grouped by project.
+BATCH_QUOTA_USE = {"active_batches": Count("id"), "queued_rows": Coalesce(Sum(QUEUED_ROWS), 0)}
+
+
 # A batch let go of: one whose rows wait keeps the reason it had, or says `queued` (the sweep
 # refines it to `model_not_resident` when no engine serves its model); others keep theirs.
 WAITING_ONCE_UNCLAIMED = Case(
@@ -61,7 +65,12 @@ class BatchQuerySet(OwnedQuerySet):
     def queued_rows(self):
         """The rows these batches still have to run (the queued_rows quota counts its project's
         unfinished batches: a batch that ends frees its rows at once)."""
-        return self.aggregate(rows=Sum(QUEUED_ROWS))["rows"] or 0
+        return self.aggregate(rows=BATCH_QUOTA_USE["queued_rows"])["rows"]
+
+    def quota_use(self):
+        """{quota: use} of a project's batches: its unfinished ones and the rows they still have
+        to run. The one count of the batch quotas (`refuse_over_quotas`, the admin, /metrics)."""
+        return self.unfinished().aggregate(**BATCH_QUOTA_USE)
 
     def page(self, after=None, limit=20):
         return cursor_page(self, after, limit)
@@ -342,12 +351,12 @@ class Batch(models.Model):
     def refuse_over_quotas(self, project):
         """429 quota_exceeded when this new batch would pass `project`'s active_batches (it adds
         one) or queued_rows (it adds its input file's lines)."""
-        mine = Batch.objects.filter(project=project).unfinished()
-        for quota, current, adding in (("active_batches", mine.count, 1),
-                                       ("queued_rows", mine.queued_rows, self.input_file.line_count)):
+        use = None
+        for quota, adding in (("active_batches", 1), ("queued_rows", self.input_file.line_count)):
             if project.limit(quota) is None:
                 continue
-            refusal = quota_exceeded(project, quota, current(), adding)
+            use = use or Batch.objects.filter(project=project).quota_use()
+            refusal = quota_exceeded(project, quota, use[quota], adding)
             if refusal is not None:
                 raise refusal
 

@@ -1,22 +1,17 @@
-"""Each project's use of its quotas (SPEC 10d), for the admin and /metrics. The figures are the
-querysets the creates count under the project's lock (`Batch.refuse_over_quotas`,
-`files_app.models.over_file_quota`): unfinished batches, their QUEUED_ROWS, stored files' bytes."""
+"""Each project's use of its quotas (SPEC 10d), for the admin and /metrics. Counted by the
+aggregates the creates count with under the project's lock (`BATCH_QUOTA_USE` through
+`Batch.refuse_over_quotas`, `FILE_QUOTA_USE` through `files_app.models.over_file_quota`): unfinished
+batches, their rows still to run, stored files' bytes."""
 
-from django.db.models import Count, Sum
-
-from batches_app.models import QUEUED_ROWS, Batch
-from files_app.models import File
+from batches_app.models import BATCH_QUOTA_USE, Batch
+from files_app.models import FILE_QUOTA_USE, File
 from projects_app.models import QUOTAS, Project
 
 
 def usage(project):
     """{quota: use} of one project."""
-    batches = Batch.objects.filter(project=project).unfinished()
-    return {
-        "active_batches": batches.count(),
-        "queued_rows": batches.queued_rows(),
-        "file_bytes": File.objects.filter(project=project).stored_bytes(),
-    }
+    return {**Batch.objects.filter(project=project).quota_use(),
+            "file_bytes": File.objects.filter(project=project).stored_bytes()}
 
 
 def usage_by_project():
@@ -24,12 +19,12 @@ def usage_by_project():
     number of projects)."""
     names = dict(Project.objects.values_list("pk", "name"))
     use = {pk: dict.fromkeys(QUOTAS, 0) for pk in names}
-    batches = Batch.objects.unfinished().exclude(project=None).order_by().values_list("project")
-    for pk, active, rows in batches.annotate(active=Count("id"), rows=Sum(QUEUED_ROWS)):
-        if pk in use:
-            use[pk].update(active_batches=active, queued_rows=rows or 0)
+    batches = Batch.objects.unfinished().exclude(project=None).order_by().values("project")
+    for row in batches.annotate(**BATCH_QUOTA_USE):
+        if row["project"] in use:
+            use[row["project"]].update(active_batches=row["active_batches"], queued_rows=row["queued_rows"])
     files = File.objects.stored().exclude(project=None).order_by().values_list("project")
-    for pk, stored in files.annotate(stored=Sum("bytes")):
+    for pk, stored in files.annotate(stored=FILE_QUOTA_USE):
         if pk in use:
-            use[pk]["file_bytes"] = stored or 0
+            use[pk]["file_bytes"] = stored
     return {names[pk]: figures for pk, figures in use.items()}

@@ -8,6 +8,7 @@ from django.core.exceptions import SuspiciousOperation
 from django.core.files.storage import storages
 from django.db import IntegrityError, models, transaction
 from django.db.models import Q, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from files_app.shapes import FileObject
@@ -60,7 +61,11 @@ class FileQuerySet(OwnedQuerySet):
         return self.filter(unexpired, status=File.Status.PROCESSED)
 
     def stored_bytes(self):
-        return self.stored().aggregate(total=Sum("bytes"))["total"] or 0
+        return self.stored().aggregate(total=FILE_QUOTA_USE)["total"]
+
+
+# The file_bytes quota's use, as an aggregate: over one project's files, or grouped by project.
+FILE_QUOTA_USE = Coalesce(Sum("bytes"), 0)
 
 
 def over_file_quota(project, adding):
