@@ -10,7 +10,7 @@ import asyncio
 import collections
 import time
 
-from asgiref.sync import async_to_sync, sync_to_async
+from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.conf import settings
 
