@@ -8,7 +8,6 @@ import tempfile
 from django.conf import settings
 from django.core.files import File as DjangoFile
 
-from batches_app import leasing
 from batches_app.models import Batch, BatchRow, FencedOut
 from files_app.models import File, file_storage
 
@@ -102,7 +101,6 @@ def assemble(batch):
         _remove_bytes(stored)  # ended while we wrote (never by our own runner): the first files stand
         batch.refresh_from_db()
         return batch
-    leasing.release_own(batch, "the batch ended")
     batch.refresh_from_db()
     log.info("batch %s %s: %d completed, %d failed", batch.pk, end, batch.completed, batch.failed)
     return batch

@@ -531,7 +531,7 @@ class Batch(models.Model):
 
     def finish(self, end, output_file, error_file):
         """The batch's end, in one transaction, fenced: the files recorded and attached, the end
-        status stamped, the rows' bodies deleted. Returns the end it stamped.
+        status stamped, its own lease ended, the rows' bodies deleted. Returns the end it stamped.
 
         Fenced: an engine that lost its claim leaves only bytes, which the orphan sweep
         removes; never a listed file no batch owns. An ended batch keeps its claim, so the
@@ -552,6 +552,10 @@ class Batch(models.Model):
                 status=end, output_file=output_file, error_file=error_file, waiting_reason=None,
                 **{f"{end}_at": ended_at},
             )
+            # The batch's own lease ends in the same transaction: a replica that saw the batch
+            # ended with its lease still live took the lease for a crash's leftover and
+            # superseded it (test_replicas_inprocess, seen once).
+            leasing.release_own(locked, "the batch ended")
             # batch.completed, .failed, .expired or .cancelled, to each subscribed endpoint, in
             # this transaction: a crash between the end and its delivery cannot lose the event.
             Delivery.objects.enqueue(lifecycle.end_event_type(end), {"id": self.pk}, ended_at, project=self.project)
