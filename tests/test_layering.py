@@ -223,3 +223,67 @@ def test_batch_and_webhook_bodies_are_validated_by_their_schema_models_not_by_ha
         assert "body.get(" not in text and "data.get(" not in text, path  # a body is read through its model
     assert not (ROOT / "webhooks_app" / "requests.py").exists()
     assert "WINDOW = re.compile" not in (ROOT / "batches_app" / "creation.py").read_text()
+
+
+# --- no app imports another's internals (issue 28, Done when) ---
+
+# What each app offers the others; everything else in it is its own. An engine's scheduler,
+# decoder and residency, a batch's runner and roles, a webhook's signing: none is another app's
+# business. docs/DESIGN.md, "One room for each behaviour, again", says what each module offers.
+PUBLIC = {
+    "projects_app": {"models", "access", "admin"},  # admin: the usage readers' registry
+    "files_app": {"models", "uploads", "retention"},
+    "inference_app": {
+        "models", "schemas", "catalogue", "gateway", "leases", "events", "backlog",
+        "engine.policy",  # the scheduling policy, read by the runner and the batch models
+        "engine.rows",  # the engine's one call for a chunk of rows
+        "engine.seating",  # Seating: the one interface to the model
+        "engine.worker",  # the engine process, started by runbatchworker
+        "engine.packing", "engine.services",  # a row's measured length and kind, for chunk picking
+    },
+    "webhooks_app": {"models", "courier"},
+    "batches_app": {"models", "events", "routing"},
+    "millm_site": set(),
+}
+
+
+def imported_modules(path):
+    """(module, name) for each `from module import name` and `import module` of `path`,
+    with `from package import module` read as the module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                as_module = (node.module + "." + alias.name).replace(".", "/")
+                is_module = (ROOT / f"{as_module}.py").exists() or (ROOT / as_module / "__init__.py").exists()
+                yield (f"{node.module}.{alias.name}", "") if is_module else (node.module, alias.name)
+        elif isinstance(node, ast.Import):
+            yield from ((alias.name, "") for alias in node.names)
+
+
+def internal_imports(path, owner):
+    """(module, name) for each import by `path` (a module of app `owner`) of another app's module
+    that app does not offer, or of a name it keeps private (a leading underscore)."""
+    found = []
+    for module, name in imported_modules(path):
+        app, _, rest = module.partition(".")
+        if app in PUBLIC and app != owner and (rest not in PUBLIC[app] or name.startswith("_")):
+            found.append((module, name))
+    return found
+
+
+def test_no_app_imports_another_apps_internals():
+    found = [(str(path.relative_to(ROOT)), *found) for app in (*APPS, "millm_site")
+             for path in (ROOT / app).rglob("*.py") if "migrations" not in path.parts
+             for found in internal_imports(path, app)]
+    assert found == []
+
+
+def test_the_internals_finder_finds_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from inference_app.engine.scheduler import StepScheduler\n"
+                     "from inference_app.engine import decoding\n"
+                     "from inference_app.models import _private\n"
+                     "from inference_app.engine import policy\n")
+    found = [(module, name) for module, name in internal_imports(probe, "batches_app")]
+    assert found == [("inference_app.engine.scheduler", "StepScheduler"), ("inference_app.engine.decoding", ""),
+                     ("inference_app.models", "_private")]
