@@ -44,11 +44,8 @@ web: db
 engine: db
 	$(PY) manage.py runbatchworker
 
-# Two workers, each module's tests in one of them (its module-scoped stack with it); on two cores
-# the suite's processes wait on each other's I/O about half the time. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
 test: install-extras chromium
-	$(PY) scripts/services.py run -- $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark part (about 30 minutes on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.

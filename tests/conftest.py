@@ -20,15 +20,6 @@ TEST_DTYPE = os.environ.get("MILLM_TEST_DTYPE", "float32")
 os.environ["MILLM_DTYPE"] = TEST_DTYPE
 django_settings.MILLM_DTYPE = TEST_DTYPE
 
-# `make test` runs the suite in two pytest-xdist workers (a module's tests stay in one). Each
-# worker has a database of its own (pytest-django names it) and, set here, a channel prefix of its
-# own, so that one worker's events never reach the other's listeners. The end-to-end stacks name
-# their own databases and prefixes.
-WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if WORKER:
-    django_settings.CHANNEL_PREFIX = f"{django_settings.CHANNEL_PREFIX}-{WORKER}"
-    django_settings.CHANNEL_LAYERS["default"]["CONFIG"]["prefix"] = django_settings.CHANNEL_PREFIX
-
 
 def build_test_model():
     """The tiny model, written once and reused (its weights come from a fixed seed)."""
