@@ -78,11 +78,30 @@ def stack(model=None, **settings):
     try:
         # The production heartbeat, not the end-to-end tests' fast one: the engine's own chatter
         # beside the model is part of what is measured.
+        key = _stack_key(model, settings)
         settings = {"ENGINE_HEARTBEAT_S": 2, "ENGINE_STALE_S": 10, **settings}
         with Stack.running(work, source.path, MILLM_MODEL_ID=source.model_id, **settings) as running:
-            yield running
+            _OPEN[key] = running
+            try:
+                yield running
+            finally:
+                _OPEN.pop(key, None)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+_OPEN = {}  # (model, settings) -> the stack that `stack` started with them, while it runs
+
+
+def _stack_key(model, settings):
+    return str(model), tuple(sorted((name, str(value)) for name, value in settings.items()))
+
+
+def stack_or_open(model=None, **settings):
+    """A stack with these settings: one the suite already has open (the quick run shares its
+    tiny stack this way), or a new one."""
+    running = _OPEN.get(_stack_key(model, settings))
+    return contextlib.nullcontext(running) if running is not None else stack(model, **settings)
 
 
 def stack_for(model, running=None):

@@ -62,7 +62,7 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=900, help="seconds one level may take on one server")
     args = parser.parse_args(argv)
 
-    from bench.common import check, default_gguf, report, setup_django, stack
+    from bench.common import check, default_gguf, report, setup_django, stack_or_open
 
     setup_django()
     import importlib.metadata
@@ -75,7 +75,7 @@ def main(argv=None):
     servers = {}  # label -> {level: figures}
     labels = {"miserver": "miServer", "serial": "ENGINE_MAX_SEQUENCES=1"}
     for label, settings in [("miserver", {}), ("serial", {"ENGINE_MAX_SEQUENCES": 1})]:
-        with stack(args.model, MAX_PENDING_REQUESTS=MAX_PENDING, **settings) as running:
+        with stack_or_open(args.model, MAX_PENDING_REQUESTS=MAX_PENDING, **settings) as running:
             servers[label] = {level: measure(running.web.url, running.model_id, level, args) for level in args.chats}
     gguf = default_gguf(args.model)
     elsewhere = "" if model_source(args.model).path == gguf else " (not the model miServer serves: nothing to compare)"

@@ -150,9 +150,9 @@ def check_ratio(figure, ratio, goal):
 def measure_miserver(model, settings, texts, prompts, args):
     import httpx
 
-    from bench.common import stack
+    from bench.common import stack_or_open
 
-    with stack(model, MAX_PENDING_REQUESTS=64, **settings) as running:
+    with stack_or_open(model, MAX_PENDING_REQUESTS=64, **settings) as running:
         with httpx.Client(base_url=running.web.url, timeout=3600) as client:
             return workloads(client, running.model_id, texts, prompts, args, ours=True)
 
