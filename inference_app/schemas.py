@@ -20,12 +20,19 @@ from millm_lib.errors import ApiError
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 
 SEED_MAX = 2**32 - 1
+# The sampling controls' limits, as OpenAI sets them (SPEC 4a).
+LOGIT_BIAS_MAX_ENTRIES = 300
+LOGIT_BIAS_LIMIT = 100
+PENALTY_LIMIT = 2
 
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 Seed = Annotated[StrictInt, Field(ge=0, le=SEED_MAX)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+BiasedTokenId = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,9}$", description="a token id, in decimal")]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False)]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 
 
@@ -92,10 +99,7 @@ Stop = Union[StrictStr, Annotated[list[NonEmptyStr], Field(min_length=1, max_len
 NEUTRAL = {
     "tools": [],
     "tool_choice": "none",
-    "logit_bias": {},
     "response_format": {"type": "text"},
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "echo": False,
     "best_of": 1,
     "suffix": "",
@@ -113,10 +117,10 @@ class GenerationRequest(Schema):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1024)] | None = None
-    # Accepted so that a neutral value passes; anything else is field_not_honoured.
-    logit_bias: dict[str, Any] | None = None
-    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    # The sampling controls (inference_app/engine/controls.py): token id (as a string) to a bias.
+    logit_bias: Annotated[dict[BiasedTokenId, Bias], Field(max_length=LOGIT_BIAS_MAX_ENTRIES)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
 
     @classmethod
     def nested_schemas(cls):
@@ -394,6 +398,9 @@ def _invalid_parameter(error, param_prefix):
 def _strip_union_tags(loc):
     path, tagged = [], False
     for part in loc:
+        if isinstance(part, str) and part.isdigit():  # a dict's key (logit_bias's token ids), never a tag
+            path.append(part)
+            continue
         if isinstance(part, str) and not part.isidentifier():
             tagged = True  # "list[TextPart]", "function-after[...]"
             continue
@@ -454,6 +461,12 @@ def _check_scoring(request, param_prefix):
         raise _scoring_error(param_prefix + max_name, f"scoring mode needs an explicit {max_name} of 1, got {got}")
     if request.stream:
         raise _scoring_error(param_prefix + "stream", "scoring mode cannot stream")
+    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
+        if getattr(request, name):  # they shape generated tokens; scoring reads the model's own distribution
+            raise ApiError(400, "field_not_honoured",
+                           f"'{name}' cannot be honoured in scoring mode (logprobs or allowed_token_ids with "
+                           f"{max_name} 1), which reports the model's own distribution; leave it out",
+                           param=param_prefix + name)
     if 0 < request.temperature < 0.001:
         raise _scoring_error(
             param_prefix + "temperature", f"scoring mode needs temperature 0 or at least 0.001, got {request.temperature}"

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from django.conf import settings
 
 from inference_app.engine import compiled, quantized
+from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
 from inference_app.provenance import system_fingerprint
 
@@ -106,16 +107,19 @@ class ResidentModel:
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
-    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False):
-        """Yield sampled token ids one at a time, with a KV cache; stops at EOS or the limit."""
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False, controls=None):
+        """Yield sampled token ids one at a time, with a KV cache; stops at EOS or the limit.
+        `controls`: the sequence's sampling controls (controls.Controls), or None."""
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        produced = []
         for _ in range(max_new_tokens):
             if cancelled():
                 return
-            token_id = self._sample(out.logits[0, -1].float(), temperature, top_p, generator)
+            token_id = sample(self, out.logits[0, -1].float(), temperature, top_p, generator, controls, produced)
+            produced.append(token_id)
             eos = self.is_eos(token_id)
             yield SampledToken(token_id, eos)
             if eos:

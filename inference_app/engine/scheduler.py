@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from inference_app.engine import policy
+from inference_app.engine.controls import sample
 from inference_app.engine.decoding import BatchedDecoder
 from inference_app.engine.runtime import SampledToken
 from millm_lib.errors import ApiError
@@ -46,8 +47,10 @@ _NOT_SEATED = frozenset({"last_logits", "packed_last_logits", "packed_embed", "e
 
 
 class Sequence:
-    def __init__(self, runtime, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled, interactive):
+    def __init__(self, runtime, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled, interactive,
+                 controls=None):
         self.runtime = runtime
+        self.controls = controls  # its sampling controls (controls.Controls), or None
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -335,7 +338,8 @@ class StepScheduler:
     def _sample(self, sequence, logits):
         """Sample one row with the sequence's own generator; a failure ends this sequence alone."""
         try:
-            token_id = sequence.runtime._sample(logits, sequence.temperature, sequence.top_p, sequence.generator)
+            token_id = sample(sequence.runtime, logits, sequence.temperature, sequence.top_p, sequence.generator,
+                              sequence.controls, sequence.produced)
         except Exception as error:
             log.exception("sampling a sequence failed; it ends alone")
             sequence.failure = error
@@ -393,11 +397,11 @@ class SeatedRuntime:
     def shared_at_first_token(self):
         return any(sequence.shared_at_first_token for sequence in self.sequences)
 
-    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False):
+    def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False, controls=None):
         stopped = self._stopped
         sequence = Sequence(
             self._runtime, prompt_ids, max_new_tokens, temperature, top_p, seed,
-            lambda: cancelled() or stopped(), self._interactive,
+            lambda: cancelled() or stopped(), self._interactive, controls,
         )
         if max_new_tokens <= 0 or self._stopped():
             return

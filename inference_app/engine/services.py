@@ -20,6 +20,7 @@ from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from millm_lib.shapes import ManagementSuccess
+from inference_app.engine.controls import Controls
 from inference_app.provenance import provenance_headers
 from inference_app.shapes import (
     AssistantMessage,
@@ -63,6 +64,7 @@ def never_cancelled():
 def run(runtime, parsed, cancelled=never_cancelled, probes=None):
     """Answer one non-streamed request (`probes`: the specs a probe-score request scores)."""
     check_model(runtime, parsed)
+    check_logit_bias(runtime, parsed)
     if parsed.endpoint == PROBE_SCORE:
         return probe_score(runtime, parsed, probes)
     if parsed.endpoint == CHAT:
@@ -75,6 +77,7 @@ def run(runtime, parsed, cancelled=never_cancelled, probes=None):
 def stream(runtime, parsed, cancelled=never_cancelled):
     """Headers, then an iterator of SSE chunk objects, for a streamed chat or completion."""
     check_model(runtime, parsed)
+    check_logit_bias(runtime, parsed)
     if parsed.endpoint == CHAT:
         return chat_completion_stream(runtime, parsed, cancelled)
     return completion_stream(runtime, parsed, cancelled)
@@ -88,6 +91,20 @@ def check_model(runtime, parsed):
             "model_not_found",
             f"The model '{name}' is not resident on this engine; it serves '{runtime.model_id}'",
             param="model",
+        )
+
+
+def check_logit_bias(runtime, parsed):
+    """The vocabulary is the engine's to know: a biased id outside it is 400, naming it."""
+    outside = sorted(int(token) for token in getattr(parsed.request, "logit_bias", None) or {}
+                     if int(token) >= runtime.vocab_size)
+    if outside:
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for 'logit_bias': token id {outside[0]} is outside the vocabulary of {runtime.vocab_size} "
+            f"tokens (0 to {runtime.vocab_size - 1})",
+            param="logit_bias",
         )
 
 
@@ -503,7 +520,8 @@ def _generate_text(runtime, request, prompt_ids, max_tokens, cancelled):
 
 def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
     """Yield the answer's text as it is generated; `assembler` keeps the whole and the reason."""
-    tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled)
+    tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled,
+                              Controls.of(request))
     with contextlib.closing(tokens):  # a stop sequence ends the sequence now, not when collected
         for token in tokens:
             if token.finished_by_eos:

@@ -13,12 +13,15 @@ from batches_app import assembly
 from batches_app.models import Batch, BatchRow, FencedOut
 from batches_app.runner import BatchRunner
 from files_app.models import File, file_storage
+from inference_app.engine import services
 from inference_app.engine.runtime import ResidentModel
+from inference_app.schemas import parse_request
 from inference_app.models import Lease
 from tests.batches.inprocess import (MODEL, batch_is, executions, generation, lines_of, run_and_record, run_engine_until,
                                      scoring)
 from tests.factories import BatchFactory, BatchRowFactory, EngineFactory, FileFactory, LeaseFactory, requests_of
 
+COMPLETIONS = "/v1/completions"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("inprocess_settings")]
 
 
@@ -248,3 +251,23 @@ def test_a_row_whose_answer_holds_u0000_does_not_jam_its_batch(start_engine):
     assert batch.status == Batch.Status.COMPLETED
     answer = [line for line in lines_of(batch.output_file) if line["custom_id"] == "row-2"][0]
     assert answer["response"]["body"]["choices"][0]["text"] == "\x00"
+
+
+@pytest.mark.parametrize("batched_decoding", [False, True])
+def test_rows_with_sampling_controls_run_as_the_synchronous_route_runs_them(start_engine, resident, batched_decoding):
+    # issue 29, point 4: logit_bias and the penalties in batch rows, one at a time and seated
+    forced = 1000
+    bodies = [generation("Once", max_tokens=4, logit_bias={str(forced): 100}),
+              generation("1 2 3 4", max_tokens=8, frequency_penalty=2), generation("1 2 3 4", max_tokens=8),
+              generation("Four", max_tokens=4, presence_penalty=-1.5, logit_bias={str(forced): -100})]
+    batch = BatchFactory(input_file=FileFactory(lines=requests_of(bodies)), batched_decoding=batched_decoding)
+    run_engine_until(start_engine(), batch_is(batch.pk))
+
+    batch.refresh_from_db()
+    assert (batch.status, batch.completed) == (Batch.Status.COMPLETED, 4)
+    texts = [line["response"]["body"]["choices"][0]["text"] for line in lines_of(batch.output_file)]
+    assert texts[0] == resident.decode([forced]) * 4
+    assert texts[1] != texts[2]  # the penalty changed the greedy answer
+    synchronous = [services.run(resident, parse_request(COMPLETIONS, body, strict=True)).body["choices"][0]["text"]
+                   for body in bodies]
+    assert texts == synchronous

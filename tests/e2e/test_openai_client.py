@@ -135,13 +135,39 @@ def test_a_field_the_server_cannot_honour_is_refused_in_every_mode(client):
     for strict in ("false", "true"):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(
-                model=MODEL_ID, messages=MESSAGES, max_tokens=2, presence_penalty=0.5,
+                model=MODEL_ID, messages=MESSAGES, max_tokens=2, n=2,
                 extra_headers={"X-miLLM-Strict": strict},
             )
         assert caught.value.code == "field_not_honoured"
-        assert caught.value.param == "presence_penalty"
+        assert caught.value.param == "n"
     # The neutral value changes nothing, so it is accepted.
-    client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, presence_penalty=0)
+    client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, n=1)
+
+
+def token_text(client, token_id):
+    """A token's text, as the server's scoring mode reports it."""
+    scored = client.completions.create(model=MODEL_ID, prompt="x", max_tokens=1, logprobs=1, temperature=0,
+                                       extra_body={"allowed_token_ids": [token_id]})
+    return scored.choices[0].text
+
+
+def test_logit_bias_forces_a_token_and_penalties_change_a_greedy_answer(client):
+    forced = 1000
+    for stream in (False, True):
+        answer = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=5, temperature=0,
+                                                logit_bias={str(forced): 100}, stream=stream)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in answer) if stream else answer.choices[0].message.content
+        assert text == token_text(client, forced) * 5, stream
+
+    def greedy(**fields):
+        return client.completions.create(model=MODEL_ID, prompt="1 2 3 4", max_tokens=12, temperature=0, **fields).choices[0].text
+
+    plain = greedy()
+    assert greedy(frequency_penalty=2) != plain
+    assert greedy(presence_penalty=2) != plain
+    with pytest.raises(openai.BadRequestError) as caught:
+        greedy(logit_bias={"1000": 101})
+    assert (caught.value.code, caught.value.param) == ("invalid_parameter", "logit_bias.1000")
 
 
 def test_embeddings_refuse_dimensions(client):

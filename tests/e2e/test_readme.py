@@ -60,6 +60,10 @@ def test_the_chat_scoring_probe_and_lease_examples_run_as_written(stack, tmp_pat
     printed = run([sys.executable, "-c", for_the_test_server(chat_py, stack)], tmp_path)
     assert printed.strip()  # an answer, then a streamed one, on the tiny random model
 
+    controlled_sh = examples("Endpoints", "sh", level="##")[0]  # the sampling controls
+    controlled = json.loads(run(["bash", "-euo", "pipefail", "-c", for_the_test_server(controlled_sh, stack)], tmp_path))
+    assert controlled["object"] == "text_completion" and controlled["usage"]["completion_tokens"] > 0
+
     scored = json.loads(run(["bash", "-euo", "pipefail", "-c", for_the_test_server(scoring_sh, stack)], tmp_path))
     top = scored["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     assert {entry["token"] for entry in top} == {"Yes", "No"}  # the tiny model shares SmolLM2's vocabulary

@@ -30,17 +30,20 @@ def alone(resident, prompt, max_tokens, temperature=0.0, top_p=1.0, seed=None):
     return [token.token_id for token in resident.generate(resident.encode(prompt), max_tokens, temperature, top_p, seed)]
 
 
-def together(resident, scheduler, jobs, start_together=True):
+def together(resident, scheduler, jobs, start_together=True, controls=None):
     """Each job (prompt, max_tokens, temperature, seed) consumed in a thread of its own, as seated
-    requests are; returns each one's token ids and its seated runtime."""
+    requests are; returns each one's token ids and its seated runtime. `controls`: each job's
+    sampling controls (tests/inference/test_controls.py)."""
     results = [None] * len(jobs)
     barrier = threading.Barrier(len(jobs)) if start_together else None
+    controls = controls or [None] * len(jobs)
 
     def consume(index, prompt, max_tokens, temperature, seed):
         seated = SeatedRuntime(resident, scheduler, interactive=True)
         if barrier:
             barrier.wait()
-        tokens = [token.token_id for token in seated.generate(resident.encode(prompt), max_tokens, temperature, 1.0, seed)]
+        tokens = [token.token_id for token in seated.generate(resident.encode(prompt), max_tokens, temperature, 1.0, seed,
+                                                              controls=controls[index])]
         results[index] = (tokens, seated)
 
     threads = [threading.Thread(target=consume, args=(index, *job)) for index, job in enumerate(jobs)]
