@@ -3,6 +3,7 @@
 admission slot, in the engine's event loop beside the run loop."""
 
 import asyncio
+import functools
 import logging
 
 from asgiref.sync import sync_to_async
@@ -12,6 +13,7 @@ from django.db import close_old_connections, connection
 from batches_app import assembly, events, validation
 from batches_app.models import Batch, FencedOut
 from batches_app.roles import wake_replicas
+from inference_app.engine import rows
 
 log = logging.getLogger("millm.batches")
 
@@ -29,8 +31,8 @@ class ValidationLoop:
                 if batch is None:
                     await worker.nap(settings.BATCH_WAIT_POLL_S)
                     continue
-                resident = worker.runtime.model_id if worker.runtime else None
-                await asyncio.to_thread(self._validate_in_thread, batch, resident)
+                runtime = worker.runtime
+                await asyncio.to_thread(self._validate_in_thread, batch, runtime)
                 worker.wake()  # its rows may run now: the run loop need not finish its nap
                 await wake_replicas(batch, worker.engine_id)
             except Exception:
@@ -42,10 +44,13 @@ class ValidationLoop:
         close_old_connections()
         return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
 
-    def _validate_in_thread(self, batch, resident):
+    def _validate_in_thread(self, batch, runtime):
+        """`runtime`: the resident model (None when none is), whose tokenizer compiles the rows'
+        grammars (once per distinct schema)."""
         try:
             token = batch.claim_token
-            outcome = validation.validate(batch, resident)
+            check_grammar = functools.partial(rows.check_grammar, runtime) if runtime is not None else None
+            outcome = validation.validate(batch, runtime.model_id if runtime is not None else None, check_grammar)
             if outcome == Batch.Status.IN_PROGRESS:
                 events.publish(batch)  # the move to in_progress released our claim
                 return

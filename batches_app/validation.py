@@ -20,6 +20,7 @@ from millm_lib.errors import ApiError
 from inference_app.models import Engine
 from millm_lib.jsonbody import plainly_usable, unusable_text
 from inference_app.schemas import parse_request
+from inference_app.structured import grammar_kind
 from millm_lib.limits import PROBE_SCORE
 
 log = logging.getLogger("millm.batches")
@@ -44,8 +45,11 @@ def read_lines(storage_name):
 class LineChecker:
     """The line checks of SPEC 10, in order. Remembers valid custom_ids and resolved models."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, check_grammar=None):
+        """`check_grammar(response_format, param)`: the engine's compile of a row's grammar
+        (raises the ApiError of a schema it cannot enforce), or None where no model is resident."""
         self.endpoint = endpoint
+        self.check_grammar = check_grammar
         self.seen = set()
         self.resolved = {}
 
@@ -88,6 +92,9 @@ class LineChecker:
             raise LineError("invalid_line", f"unknown field(s) in the line: {', '.join(unknown)}", unknown[0])
         try:
             parsed = parse_request(self.endpoint, body, strict=True, param_prefix="body.")
+            response_format = getattr(parsed.request, "response_format", None)
+            if self.check_grammar is not None and grammar_kind(response_format) is not None:
+                self.check_grammar(response_format, "body.response_format")
         except ApiError as error:
             raise LineError(error.code, error.message, error.param) from None
         model = None
@@ -112,7 +119,7 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-def validate(batch, resident_model_id):
+def validate(batch, resident_model_id, check_grammar=None):
     """Validate every line, store the rows, and decide the batch's fate.
 
     1. Stream the file; each line becomes a pending row or an invalid one (with its error).
@@ -124,7 +131,7 @@ def validate(batch, resident_model_id):
     """
     batch.discard_rows()
     try:
-        return _validate_lines(batch, resident_model_id)
+        return _validate_lines(batch, resident_model_id, check_grammar)
     except OSError as error:
         # The input's bytes are gone (deleted or lost under us): fail, do not retry forever.
         log.error("cannot read the input file of %s: %s", batch.pk, error)
@@ -133,8 +140,8 @@ def validate(batch, resident_model_id):
         return Batch.Status.FAILED if batch.fail_validation(errors=[failure]) else None
 
 
-def _validate_lines(batch, resident_model_id):
-    checker = LineChecker(batch.endpoint)
+def _validate_lines(batch, resident_model_id, check_grammar=None):
+    checker = LineChecker(batch.endpoint, check_grammar)
     pending, models, errors = [], Counter(), []
     total = invalid = 0
     log.info("validating %s: streaming %s (%d lines)", batch.pk, batch.input_file_id, batch.input_file.line_count)

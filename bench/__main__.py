@@ -3,8 +3,7 @@ bench/results/, the README's results section and the packing chart (docs/bench/p
 
     python -m bench [PART ...] [--quick] [--no-readme]
 
-PART is any of pipeline, overhead, interactive, interactive-batched, roundtrip, packing, memory,
-generation, concurrency, peers (default: all, in that order). --quick runs each at a tiny size on the
+PART is any of PARTS below (default: all, in that order). --quick runs each at a tiny size on the
 tiny test model (what the smoke test runs): the figures say nothing then, so --quick never
 rewrites the README. concurrency's llama.cpp baseline needs the bench extra's xllamacpp.
 """
@@ -24,9 +23,9 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency", "decoders", "cpu_levers", "retention", "replicas", "peers"]
+         "concurrency", "decoders", "grammar", "cpu_levers", "retention", "replicas", "peers"]
 RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "peers", "replicas",
-             "overhead", "roundtrip", "memory", "packing", "decoders", "cpu_levers"]
+             "overhead", "roundtrip", "memory", "packing", "decoders", "grammar", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
 # it runs after the default model's stack is stopped and before the tiny one starts; nor
@@ -38,7 +37,7 @@ MODULE = {"interactive-batched": "interactive"}
 LABEL = {"interactive-batched": "interactive (batched decoding)"}
 # Parts timed in a process of their own: in-process model runs are sensitive to what ran before
 # them (the packing ratio measured 1.6-1.7x after the other parts, about 1.9x alone).
-FRESH_PROCESS = {"packing", "decoders", "cpu_levers"}
+FRESH_PROCESS = {"packing", "decoders", "grammar", "cpu_levers"}
 # --quick proves the parts run, so it spares what only timing needs: the fresh processes, and a
 # stack of its own for the concurrency part's default engine (the shared tiny stack admits as
 # many waiting chats as that part sends; bench.common.stack_or_open finds it).
@@ -62,6 +61,7 @@ def sizes(part, quick, tiny):
             "generation": ["--rows", "64", "--max-tokens", "64"],
             "concurrency": ["--chats", "8", "32", "--max-tokens", "64"],
             "decoders": ["--prompts", "16", "--max-tokens", "64"],
+            "grammar": ["--width", "16", "--max-tokens", "64", "--repeats", "3"],
             "cpu_levers": ["--max-tokens", "64", "--repeats", "3"],
             "retention": ["--rows", "10000"],
             "replicas": ["--rows", "240", "--max-tokens", "16", "--scoring-rows", "1200", "--repeats", "3"],
@@ -80,6 +80,7 @@ def sizes(part, quick, tiny):
         "generation": ["--rows", "4", "--max-tokens", "4", *model],
         "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
         "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
+        "grammar": ["--width", "2", "--max-tokens", "4", "--repeats", "1", *model],
         "cpu_levers": ["--max-tokens", "4", "--width", "2", "--repeats", "1", "--only", "threads=1", "int8_dynamic", *model],
         "retention": ["--rows", "20", *model],
         "replicas": ["--rows", "8", "--max-tokens", "4", "--scoring-rows", "32", "--repeats", "1", "--wait-poll-s", "0.1",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from millm_lib.errors import ApiError
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
+from inference_app.structured import check_response_format, grammar_kind
 
 SEED_MAX = 2**32 - 1
 # The sampling controls' limits, as OpenAI sets them (SPEC 4a).
@@ -99,7 +100,6 @@ Stop = Union[StrictStr, Annotated[list[NonEmptyStr], Field(min_length=1, max_len
 NEUTRAL = {
     "tools": [],
     "tool_choice": "none",
-    "response_format": {"type": "text"},
     "echo": False,
     "best_of": 1,
     "suffix": "",
@@ -121,6 +121,8 @@ class GenerationRequest(Schema):
     logit_bias: Annotated[dict[BiasedTokenId, Bias], Field(max_length=LOGIT_BIAS_MAX_ENTRIES)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    # text, json_object or json_schema (inference_app/structured.py checks the schema's subset).
+    response_format: dict[str, Any] | None = None
 
     @classmethod
     def nested_schemas(cls):
@@ -143,7 +145,6 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @classmethod
     def nested_schemas(cls):
@@ -294,6 +295,8 @@ def parse_request(endpoint, body, strict, param_prefix=""):
     except ValidationError as error:
         raise _invalid_parameter(error, param_prefix) from None
     _check_honoured(request, endpoint, param_prefix)
+    if getattr(request, "response_format", None) is not None:
+        check_response_format(request.response_format, param_prefix + "response_format")
     _check_scoring(request, param_prefix)
     _check_consistency(request, param_prefix)
     unused = _unused_fields(schema, body, [])
@@ -461,12 +464,16 @@ def _check_scoring(request, param_prefix):
         raise _scoring_error(param_prefix + max_name, f"scoring mode needs an explicit {max_name} of 1, got {got}")
     if request.stream:
         raise _scoring_error(param_prefix + "stream", "scoring mode cannot stream")
-    for name in ("logit_bias", "presence_penalty", "frequency_penalty"):
-        if getattr(request, name):  # they shape generated tokens; scoring reads the model's own distribution
-            raise ApiError(400, "field_not_honoured",
-                           f"'{name}' cannot be honoured in scoring mode (logprobs or allowed_token_ids with "
-                           f"{max_name} 1), which reports the model's own distribution; leave it out",
-                           param=param_prefix + name)
+    # These shape generated tokens; scoring reports the model's own distribution at one position.
+    shaping = {"logit_bias": bool(request.logit_bias), "presence_penalty": bool(request.presence_penalty),
+               "frequency_penalty": bool(request.frequency_penalty),
+               "response_format": grammar_kind(request.response_format) is not None}
+    refused = [name for name, sent in shaping.items() if sent]
+    if refused:
+        raise ApiError(400, "field_not_honoured",
+                       f"'{refused[0]}' cannot be honoured in scoring mode (logprobs or allowed_token_ids with "
+                       f"{max_name} 1), which reports the model's own distribution; leave it out",
+                       param=param_prefix + refused[0])
     if 0 < request.temperature < 0.001:
         raise _scoring_error(
             param_prefix + "temperature", f"scoring mode needs temperature 0 or at least 0.001, got {request.temperature}"

@@ -234,9 +234,9 @@ PUBLIC = {
     "projects_app": {"models", "access", "admin"},  # admin: the usage readers' registry
     "files_app": {"models", "uploads", "retention"},
     "inference_app": {
-        "models", "schemas", "catalogue", "gateway", "leases", "events", "backlog",
+        "models", "schemas", "structured", "catalogue", "gateway", "leases", "events", "backlog",
         "engine.policy",  # the scheduling policy, read by the runner and the batch models
-        "engine.rows",  # the engine's one call for a chunk of rows
+        "engine.rows",  # the engine's one call for a chunk of rows (and a row's grammar, at validation)
         "engine.seating",  # Seating: the one interface to the model
         "engine.worker",  # the engine process, started by runbatchworker
         "engine.packing", "engine.services",  # a row's measured length and kind, for chunk picking

@@ -7,6 +7,9 @@ tokens (the prompt does not count):
 
     logits[j] += bias[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty
 
+A `response_format` other than text adds the sequence's grammar state (grammars.py): its mask
+goes last, so a bias never lets a token through that the grammar forbids.
+
 A sequence that sets none of them has no Controls (None) and pays nothing.
 """
 
@@ -14,22 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_app.engine import grammars
+
 
 @dataclass(frozen=True)
 class Controls:
     bias: tuple  # ((token id, value), ...)
     presence: float = 0.0
     frequency: float = 0.0
+    grammar: grammars.GrammarState | None = None  # this sequence's own, or None
 
     @classmethod
-    def of(cls, request):
-        """The request's controls, or None when it sets none (or only neutral values)."""
+    def of(cls, request, runtime=None):
+        """The request's controls for one sequence, or None when it sets none (or only neutral
+        values). `runtime`: the model a grammar is built for (a constrained request needs it)."""
         bias = tuple(sorted((int(token), float(value)) for token, value in (request.logit_bias or {}).items() if value))
         presence = float(request.presence_penalty or 0)
         frequency = float(request.frequency_penalty or 0)
-        if not bias and not presence and not frequency:
+        grammar = grammars.state_for(runtime, getattr(request, "response_format", None)) if runtime is not None else None
+        if not bias and not presence and not frequency and grammar is None:
             return None
-        return cls(bias, presence, frequency)
+        return cls(bias, presence, frequency, grammar)
 
     def apply(self, logits, produced):
         """`logits` (one row, float) adjusted for a sequence that has generated `produced`: a new
@@ -41,11 +49,19 @@ class Controls:
         if produced and (self.presence or self.frequency):
             ids, counts = torch.unique(torch.tensor(produced, device=logits.device), return_counts=True)
             logits[ids] -= counts.to(logits.dtype) * self.frequency + self.presence
+        if self.grammar is not None:
+            self.grammar.mask(logits)
         return logits
+
+    def accept(self, token_id):
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 def sample(runtime, logits, temperature, top_p, generator, controls, produced):
     """One token for a row: its controls (if any) applied, then the runtime's sampling rule."""
-    if controls is not None:
-        logits = controls.apply(logits, produced)
-    return runtime._sample(logits, temperature, top_p, generator)
+    if controls is None:
+        return runtime._sample(logits, temperature, top_p, generator)
+    token_id = runtime._sample(controls.apply(logits, produced), temperature, top_p, generator)
+    controls.accept(token_id)
+    return token_id

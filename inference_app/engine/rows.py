@@ -9,7 +9,7 @@ runner) chooses and claims the rows and records what comes back; the engine only
 import logging
 from dataclasses import dataclass
 
-from inference_app.engine import packing, services
+from inference_app.engine import grammars, packing, services
 from millm_lib.errors import ApiError, internal_error
 
 log = logging.getLogger("millm.engine")
@@ -64,3 +64,9 @@ def _run_one(runtime, key, parsed, probes):
         # A row that breaks the service must not break the batch (nor run forever).
         log.exception("row %s failed", key)
         return internal_error()
+
+
+def check_grammar(runtime, response_format, param):
+    """A row's grammar compiled at validation (cached: once per distinct schema), so that a
+    schema the tokenizer cannot follow fails its line, with its number, before the batch runs."""
+    grammars.compile_grammar(runtime, response_format, param)

@@ -21,7 +21,9 @@ from millm_lib.ids import new_id
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from millm_lib.shapes import ManagementSuccess
 from inference_app.engine.controls import Controls
+from inference_app.engine.grammars import compile_grammar
 from inference_app.provenance import provenance_headers
+from inference_app.structured import grammar_kind, grammar_sha
 from inference_app.shapes import (
     AssistantMessage,
     ChatChoice,
@@ -64,7 +66,7 @@ def never_cancelled():
 def run(runtime, parsed, cancelled=never_cancelled, probes=None):
     """Answer one non-streamed request (`probes`: the specs a probe-score request scores)."""
     check_model(runtime, parsed)
-    check_logit_bias(runtime, parsed)
+    check_controls(runtime, parsed)
     if parsed.endpoint == PROBE_SCORE:
         return probe_score(runtime, parsed, probes)
     if parsed.endpoint == CHAT:
@@ -77,7 +79,7 @@ def run(runtime, parsed, cancelled=never_cancelled, probes=None):
 def stream(runtime, parsed, cancelled=never_cancelled):
     """Headers, then an iterator of SSE chunk objects, for a streamed chat or completion."""
     check_model(runtime, parsed)
-    check_logit_bias(runtime, parsed)
+    check_controls(runtime, parsed)
     if parsed.endpoint == CHAT:
         return chat_completion_stream(runtime, parsed, cancelled)
     return completion_stream(runtime, parsed, cancelled)
@@ -94,7 +96,7 @@ def check_model(runtime, parsed):
         )
 
 
-def check_logit_bias(runtime, parsed):
+def check_controls(runtime, parsed):
     """The vocabulary is the engine's to know: a biased id outside it is 400, naming it."""
     outside = sorted(int(token) for token in getattr(parsed.request, "logit_bias", None) or {}
                      if int(token) >= runtime.vocab_size)
@@ -113,6 +115,9 @@ def headers_for(runtime, parsed):
     request shared a decode step with another (a seated runtime knows; the model alone never
     shares)."""
     headers = provenance_headers(runtime.model_id, parsed.endpoint, parsed.request, parsed.ignored)
+    kind = grammar_kind(getattr(parsed.request, "response_format", None))
+    if kind is not None:  # the answer was decoded under a grammar (SPEC 4a)
+        headers["X-miLLM-Grammar"] = f"{kind};sha={grammar_sha(parsed.request.response_format)}"
     if getattr(runtime, "shared", False):
         headers["X-miLLM-Backend"] = "batched"
     return headers
@@ -521,7 +526,7 @@ def _generate_text(runtime, request, prompt_ids, max_tokens, cancelled):
 def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
     """Yield the answer's text as it is generated; `assembler` keeps the whole and the reason."""
     tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled,
-                              Controls.of(request))
+                              Controls.of(request, runtime))
     with contextlib.closing(tokens):  # a stop sequence ends the sequence now, not when collected
         for token in tokens:
             if token.finished_by_eos:

@@ -2,9 +2,11 @@
 its files by a real engine Worker, and the engine's restarts, cancels, waits and expiries (SPEC
 10), each in seconds instead of the minutes a subprocess test takes."""
 
+import json
 import logging
 from datetime import timedelta
 
+import jsonschema
 import pytest
 from asgiref.sync import sync_to_async
 from django.utils import timezone
@@ -20,6 +22,7 @@ from inference_app.models import Lease
 from tests.batches.inprocess import (MODEL, batch_is, executions, generation, lines_of, run_and_record, run_engine_until,
                                      scoring)
 from tests.factories import BatchFactory, BatchRowFactory, EngineFactory, FileFactory, LeaseFactory, requests_of
+from tests.inference.test_grammars import SCHEMA, schema_format
 
 COMPLETIONS = "/v1/completions"
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("inprocess_settings")]
@@ -271,3 +274,23 @@ def test_rows_with_sampling_controls_run_as_the_synchronous_route_runs_them(star
     synchronous = [services.run(resident, parse_request(COMPLETIONS, body, strict=True)).body["choices"][0]["text"]
                    for body in bodies]
     assert texts == synchronous
+
+
+@pytest.mark.parametrize("batched_decoding", [False, True])
+def test_schema_rows_answer_in_their_schemas_one_at_a_time_and_seated(start_engine, batched_decoding):
+    # issue 29, points 1 and 2: each row carries its own grammar state; a plain row beside them
+    small = {"type": "object", "properties": {"yes": {"type": "boolean"}, "n": {"type": "integer"}},
+             "required": ["yes", "n"], "additionalProperties": False}
+    bodies = [generation(f"Pet {seed}:", max_tokens=120, temperature=1.0, seed=seed, response_format=schema_format())
+              for seed in range(3)]
+    bodies += [generation("Flag:", max_tokens=40, temperature=1.0, seed=4, response_format=schema_format(small)),
+               generation("Plain", max_tokens=4)]
+    batch = BatchFactory(input_file=FileFactory(lines=requests_of(bodies)), batched_decoding=batched_decoding)
+    run_engine_until(start_engine(), batch_is(batch.pk), timeout=60)
+
+    batch.refresh_from_db()
+    assert (batch.status, batch.completed) == (Batch.Status.COMPLETED, 5)
+    output = lines_of(batch.output_file)
+    for line, schema in zip(output, [SCHEMA] * 3 + [small]):
+        jsonschema.validate(json.loads(line["response"]["body"]["choices"][0]["text"]), schema)
+    assert output[4]["response"]["body"]["choices"][0]["text"]

@@ -1,6 +1,8 @@
 """Validation in-process (SPEC 10, "Validation"): a real engine validates a stored input file,
 then runs what is valid; a bad line or a row the model refuses fails alone."""
 
+import re
+
 import pytest
 
 from batches_app import validation
@@ -66,3 +68,25 @@ def test_validation_by_an_engine_that_lost_its_claim_writes_nothing(start_engine
 
     assert list(BatchRow.objects.filter(batch=batch).values_list("line", "outcome", "request_id")) == rows
     assert Batch.objects.get(pk=batch.pk).status == Batch.Status.COMPLETED
+
+
+def test_a_schema_the_grammar_cannot_build_fails_its_line_at_validation(start_engine):
+    # issue 29: the engine compiles each distinct schema at validation; a bad pattern passes the
+    # subset check (it is a string) but not llguidance's regex parser.
+    def schema_row(pattern):
+        schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}},
+                  "required": ["a"], "additionalProperties": False}
+        return generation("x", max_tokens=12, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}})
+
+    batch = BatchFactory(input_file=FileFactory(lines=requests_of([schema_row("^[ab]{1,3}$"), schema_row("("),
+                                                                  schema_row("^[ab]{1,3}$")])))
+    run_engine_until(start_engine(), batch_is(batch.pk))
+
+    batch.refresh_from_db()
+    assert (batch.status, batch.completed, batch.failed) == (Batch.Status.COMPLETED, 2, 1)
+    [error] = batch.errors
+    assert (error["code"], error["line"], error["param"]) == ("invalid_request_error", 2, "body.response_format")
+    assert "unclosed group" in error["message"]
+    texts = [line["response"]["body"]["choices"][0]["text"] for line in lines_of(batch.output_file)]
+    assert len(texts) == 2 and all(re.fullmatch(r'\{"a":"[ab]{1,3}"\}', text) for text in texts), texts

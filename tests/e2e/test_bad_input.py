@@ -41,7 +41,13 @@ CASES = [
     ("n of 2", CHAT, chat(n=2), 400, "field_not_honoured", "n"),
     ("five stops", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "invalid_parameter", "stop"),
     ("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "field_not_honoured", "tools"),
-    ("json response format", CHAT, chat(response_format={"type": "json_object"}), 400, "field_not_honoured", "response_format"),
+    ("a schema outside the subset", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "oneOf": []}}}), 400, "invalid_request_error",
+     "response_format.json_schema.schema.oneOf"),
+    ("a strict schema leaving a property out", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                               "additionalProperties": False}}}),
+     400, "invalid_request_error", "response_format.json_schema.schema.required"),
     ("scoring without max_tokens 1", CHAT, chat(logprobs=True, max_tokens=3), 400, "invalid_parameter", "max_tokens"),
     ("top_logprobs over 20", CHAT, chat(logprobs=True, max_tokens=1, top_logprobs=21), 400, "invalid_parameter", "top_logprobs"),
     ("empty embedding input", "/v1/embeddings", json.dumps({"model": MODEL_ID, "input": ""}), 400, "invalid_parameter", "input"),

@@ -45,7 +45,7 @@ def test_neutral_values_of_unhonoured_fields_pass():
     assert parse_request(CHAT, neutral, strict=True).ignored == []
 
 
-@pytest.mark.parametrize("field,value", [("tool_choice", "auto"), ("response_format", {"type": "json_object"}), ("n", 2)])
+@pytest.mark.parametrize("field,value", [("tool_choice", "auto"), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 2)])
 def test_non_neutral_values_are_field_not_honoured(field, value):
     error = refusal(CHAT, {**BASE, field: value})
     assert (error.code, error.param) == ("field_not_honoured", field)
