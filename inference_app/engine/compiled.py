@@ -23,7 +23,6 @@ import logging
 import time
 
 import torch
-from torch._dynamo import lookup_backend
 
 from inference_app.engine import quantized
 from inference_app.engine.decoding import BatchedDecoder
@@ -58,7 +57,9 @@ class CompiledStep:
 
     def _count_and_compile(self, graph, example_inputs):
         self._graphs += 1
-        return lookup_backend(self.backend)(graph, example_inputs)
+        # torch._dynamo is loaded by torch.compile (in __init__), not imported here: importing
+        # it takes 3 s, which an engine that never compiles should not pay at start.
+        return torch._dynamo.lookup_backend(self.backend)(graph, example_inputs)
 
     @property
     def recompiles(self):

@@ -13,7 +13,7 @@ goes last, so a bias never lets a token through that the grammar forbids.
 A sequence that sets none of them has no Controls (None) and pays nothing.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,12 @@ class Controls:
     presence: float = 0.0
     frequency: float = 0.0
     grammar: grammars.GrammarState | None = None  # this sequence's own, or None
+    bias_ids: torch.Tensor = field(init=False, repr=False, compare=False)  # built once, not every token
+    bias_values: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "bias_ids", torch.tensor([token for token, _ in self.bias], dtype=torch.long))
+        object.__setattr__(self, "bias_values", torch.tensor([value for _, value in self.bias]))
 
     @classmethod
     def of(cls, request, runtime=None):
@@ -44,8 +50,7 @@ class Controls:
         tensor; the caller's row (a view of a shared step's logits) is left as it was."""
         logits = logits.clone()
         if self.bias:
-            ids = torch.tensor([token for token, _ in self.bias], device=logits.device)
-            logits[ids] += torch.tensor([value for _, value in self.bias], dtype=logits.dtype, device=logits.device)
+            logits[self.bias_ids.to(logits.device)] += self.bias_values.to(logits.device, logits.dtype)
         if produced and (self.presence or self.frequency):
             ids, counts = torch.unique(torch.tensor(produced, device=logits.device), return_counts=True)
             logits[ids] -= counts.to(logits.dtype) * self.frequency + self.presence

@@ -14,7 +14,6 @@ import weakref
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from inference_app.structured import grammar_kind, grammar_sha, schema_of
@@ -31,12 +30,22 @@ def tokenizer_of(runtime):
         converted = llguidance.hf.from_tokenizer(tokenizer, n_vocab=runtime.vocab_size, eos_token=sorted(runtime.eos_ids))
         # The first mask of a tokenizer builds llguidance's token tables (1.6 s for SmolLM2's 49,152
         # tokens on a 2-core EPYC): paid here, once, not by the first constrained token.
-        warm = GrammarState.__new__(GrammarState)
-        warm.matcher = llguidance.LLMatcher(converted, _grammar("warm", "json_object", '{"type": "object"}'))
-        warm.bitmask = llguidance.torch.allocate_token_bitmask(1, runtime.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(warm.matcher, warm.bitmask, 0)
+        warm = llguidance.LLMatcher(converted, _grammar("warm", "json_object", '{"type": "object"}'))
+        _fill(warm, _bitmask(runtime.vocab_size))
         _tokenizers[tokenizer] = converted
     return _tokenizers[tokenizer]
+
+
+def _bitmask(vocab_size):
+    """One row of mask words, 32 tokens to a word (llguidance's layout)."""
+    return torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def _fill(matcher, bitmask):
+    """The matcher's next-token mask written into `bitmask`. This is all
+    `llguidance.torch.fill_next_token_bitmask` does; that module is not imported because it
+    imports torch's compiler (3.4 s at every engine start) for a kernel this module does not use."""
+    matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
 
 
 @functools.lru_cache(maxsize=512)
@@ -66,15 +75,15 @@ class GrammarState:
 
     def __init__(self, runtime, grammar, sha, kind):
         self.matcher = llguidance.LLMatcher(tokenizer_of(runtime), grammar)
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, runtime.vocab_size)
+        self.bitmask = _bitmask(runtime.vocab_size)
         self.sha, self.kind = sha, kind
 
     def mask(self, logits):
         """`logits` (one row) with every token the grammar forbids at -inf, in place. The bits are
-        unpacked here: llguidance.torch's own kernel is a torch.compile'd function that took
+        unpacked here: llguidance's own torch kernel is a torch.compile'd function that took
         28 ms a row on this CPU (and compiles at its first call), against 0.1 ms here."""
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        allowed = ((self.bitmask[0].unsqueeze(1) >> _BITS) & 1).flatten()[: logits.shape[-1]]
+        _fill(self.matcher, self.bitmask)
+        allowed = ((self.bitmask.unsqueeze(1) >> _BITS) & 1).flatten()[: logits.shape[-1]]
         logits.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
         return logits
 

@@ -97,7 +97,9 @@ def check_model(runtime, parsed):
 
 
 def check_controls(runtime, parsed):
-    """The vocabulary is the engine's to know: a biased id outside it is 400, naming it."""
+    """What only the engine can check, before any forward pass or streamed byte: a biased id
+    outside the vocabulary, and a `response_format` whose grammar cannot be built, are 400s
+    naming the field."""
     outside = sorted(int(token) for token in getattr(parsed.request, "logit_bias", None) or {}
                      if int(token) >= runtime.vocab_size)
     if outside:
@@ -108,6 +110,9 @@ def check_controls(runtime, parsed):
             f"tokens (0 to {runtime.vocab_size - 1})",
             param="logit_bias",
         )
+    response_format = getattr(parsed.request, "response_format", None)
+    if grammar_kind(response_format) is not None:
+        compile_grammar(runtime, response_format)  # cached: the sequence's own state reuses it
 
 
 def headers_for(runtime, parsed):

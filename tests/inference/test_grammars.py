@@ -149,3 +149,16 @@ def test_scoring_mode_refuses_a_grammar():
     error = refusal({**BASE, "logprobs": True, "max_tokens": 1, "response_format": {"type": "json_object"}})
     assert (error.code, error.param) == ("field_not_honoured", "body.response_format")
     parse_request(CHAT, {**BASE, "logprobs": True, "max_tokens": 1, "response_format": {"type": "text"}}, strict=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_cannot_build_is_400_before_any_forward_pass_or_byte(resident, stream):
+    # The subset check passes a `pattern` (it is a string); llguidance's regex parser does not. The
+    # engine compiles in check_controls, so a stream is refused before its headers go out.
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}},
+              "required": ["a"], "additionalProperties": False}
+    parsed = parse_request(CHAT, chat_body(resident, 0, schema_format(schema), stream=stream), strict=True)
+    with pytest.raises(ApiError) as caught:
+        (services.stream if stream else services.run)(resident, parsed)
+    assert (caught.value.status, caught.value.param) == (400, "response_format")
+    assert "unclosed group" in caught.value.message
