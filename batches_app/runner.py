@@ -82,6 +82,9 @@ class BatchRunner:
         while not self.worker.stopping.is_set():
             batch = role = None
             try:
+                if not await sync_to_async(self._sweep.anything_to_do)():
+                    await self.worker.nap(settings.BATCH_WAIT_POLL_S)
+                    continue
                 await sync_to_async(self._sweep)()
                 batch, role, verdict = await sync_to_async(claim_to_run)(self.worker)
                 if batch is None or await self._process(batch, role, verdict) == "waiting":

@@ -27,6 +27,13 @@ class Sweep:
             events.publish(batch)
         Batch.objects.expire_waiting()
 
+    def anything_to_do(self):
+        """Whether a sweep or a claim could find anything: an unfinished batch, or a claim we
+        still owe a release. One query; an idle engine asks it at each poll instead of the dozen
+        statements of a sweep and its claims (an idle engine polling at 0.2 s used 15% of a core)."""
+        close_old_connections()
+        return bool(self.unreleased) or Batch.objects.unfinished().exists()
+
     def release_or_remember(self, batch):
         try:
             close_old_connections()

@@ -40,8 +40,10 @@ class ValidationLoop:
                 await worker.nap(settings.BATCH_WAIT_POLL_S)
 
     def _claim(self):
-        """The oldest batch to validate, claimed with a fresh fencing token; or None."""
-        close_old_connections()
+        """The oldest batch to validate, claimed with a fresh fencing token; or None (at once,
+        with one query, when no batch is unfinished)."""
+        if not self.sweep.anything_to_do():
+            return None
         return Batch.objects.to_validate().claim_oldest(self.worker.engine_id)
 
     def _validate_in_thread(self, batch, runtime):

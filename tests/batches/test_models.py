@@ -80,3 +80,21 @@ def test_reconciliation_releases_claims_on_our_model_and_of_dead_engines_only():
     assert reconcile_batches("eng_me", "m") == 2
     assert Batch.objects.get(pk=ours.pk).claimed_by is None
     assert Batch.objects.get(pk=elsewhere.pk).claimed_by is None
+
+
+@pytest.mark.django_db(transaction=True)  # the sweep closes old connections, as in the engine
+def test_an_idle_poll_is_one_query_until_a_batch_is_unfinished(django_assert_num_queries):
+    from batches_app.sweep import Sweep
+    from tests.factories import BatchFactory
+
+    sweep = Sweep()
+    BatchFactory(status=Batch.Status.COMPLETED)
+    with django_assert_num_queries(1):
+        assert sweep.anything_to_do() is False  # only ended batches: the sweep and the claims are skipped
+    unfinished = BatchFactory(status=Batch.Status.VALIDATING)
+    assert sweep.anything_to_do() is True
+    unfinished.status = Batch.Status.CANCELLED
+    unfinished.save()
+    assert sweep.anything_to_do() is False
+    sweep.unreleased[unfinished.pk] = unfinished  # a claim we still owe a release
+    assert sweep.anything_to_do() is True
