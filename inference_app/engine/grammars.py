@@ -1,7 +1,7 @@
 """Grammars enforced while decoding (issue 29, point 1), with llguidance (as vLLM uses it): a
 `response_format` becomes a grammar once per distinct schema (cached by its hash), and each
 sequence that follows it gets a matcher of its own, whose mask leaves only the tokens that keep
-the answer valid. Separators are fixed (`, ` and `: `, no free whitespace), so a finite schema
+the answer valid. There is no whitespace between tokens (`,` and `:` alone), so a finite schema
 ends within its own length even on a random model. Once the answer is complete the mask allows
 only the end of sequence.
 
@@ -20,7 +20,9 @@ from inference_app.structured import grammar_kind, grammar_sha, schema_of
 from millm_lib.errors import ApiError
 
 JSON_OPTIONS = {"whitespace_flexible": False}
-_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32 * word + i
+# Bit i of a mask word is token 32 * word + i; read a byte at a time (x86 and ARM are little-endian,
+# so byte b of word w holds tokens 32w + 8b to 32w + 8b + 7): row j of this table is byte j's 8 bits.
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
 _tokenizers = weakref.WeakKeyDictionary()  # a Hugging Face tokenizer -> its llguidance form
 
 
@@ -58,7 +60,7 @@ def compile_grammar(runtime, response_format, param="response_format"):
     schema llguidance cannot enforce is 400 naming its reason."""
     kind = grammar_kind(response_format)
     try:
-        grammar = _grammar(grammar_sha(response_format), kind, json.dumps(schema_of(response_format), sort_keys=True))
+        grammar = _grammar(grammar_sha(response_format), kind, json.dumps(schema_of(response_format)))
         problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer_of(runtime))
     except Exception as error:  # noqa: BLE001 - whatever llguidance raises on a schema it cannot read is the schema's fault
         problem = str(error)
@@ -83,8 +85,8 @@ class GrammarState:
         unpacked here: llguidance's own torch kernel is a torch.compile'd function that took
         28 ms a row on this CPU (and compiles at its first call), against 0.1 ms here."""
         _fill(self.matcher, self.bitmask)
-        allowed = ((self.bitmask.unsqueeze(1) >> _BITS) & 1).flatten()[: logits.shape[-1]]
-        logits.masked_fill_(allowed.to(logits.device) == 0, float("-inf"))
+        allowed = _BYTE_BITS[self.bitmask.view(torch.uint8).long()].flatten()[: logits.shape[-1]]
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
         return logits
 
     def accept(self, token_id):
