@@ -21,6 +21,7 @@ from inference_app.models import Engine
 from millm_lib.jsonbody import plainly_usable, unusable_text
 from inference_app.schemas import parse_request
 from inference_app.structured import grammar_kind
+from inference_app.tools import decoding_format
 from millm_lib.limits import PROBE_SCORE
 
 log = logging.getLogger("millm.batches")
@@ -92,9 +93,9 @@ class LineChecker:
             raise LineError("invalid_line", f"unknown field(s) in the line: {', '.join(unknown)}", unknown[0])
         try:
             parsed = parse_request(self.endpoint, body, strict=True, param_prefix="body.")
-            response_format = getattr(parsed.request, "response_format", None)
-            if self.check_grammar is not None and grammar_kind(response_format) is not None:
-                self.check_grammar(response_format, "body.response_format")
+            decoded, field = decoding_format(parsed.request)
+            if self.check_grammar is not None and grammar_kind(decoded) is not None:
+                self.check_grammar(decoded, f"body.{field}")
         except ApiError as error:
             raise LineError(error.code, error.message, error.param) from None
         model = None

@@ -19,12 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from millm_lib.errors import ApiError
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from inference_app.structured import check_response_format, grammar_kind
+from inference_app.tools import call_format, check_tools
 
 SEED_MAX = 2**32 - 1
 # The sampling controls' limits, as OpenAI sets them (SPEC 4a).
 LOGIT_BIAS_MAX_ENTRIES = 300
 LOGIT_BIAS_LIMIT = 100
 PENALTY_LIMIT = 2
+N_MAX = 8  # choices in one request
 
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 TopP = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
@@ -71,15 +73,39 @@ class TextPart(Schema):
     text: StrictStr
 
 
-class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, Annotated[list[TextPart], Field(min_length=1)]]
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="1 to 64 of a-z, A-Z, 0-9, _ and -")]
+
+
+class CalledFunction(Schema):
+    name: FunctionName
+    arguments: StrictStr  # JSON text, as the model wrote it
+
+
+class AssistantToolCall(Schema):
+    """A call an earlier assistant message made, sent back in the conversation."""
+    id: NonEmptyStr
+    type: Literal["function"]
+    function: CalledFunction
 
     @classmethod
     def nested_schemas(cls):
-        return {"content": TextPart}
+        return {"function": CalledFunction}
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only on an assistant message with tool_calls (inference_app/tools.py checks)
+    content: Union[StrictStr, Annotated[list[TextPart], Field(min_length=1)]] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
+    tool_call_id: NonEmptyStr | None = None  # a tool message's: the call it answers
+
+    @classmethod
+    def nested_schemas(cls):
+        return {"content": TextPart, "tool_calls": AssistantToolCall}
 
     def text(self):
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -98,13 +124,38 @@ Stop = Union[StrictStr, Annotated[list[NonEmptyStr], Field(min_length=1, max_len
 # Output-changing fields this server cannot honour, with the value that changes nothing.
 # A non-neutral value is refused with field_not_honoured in every mode (SPEC section 4).
 NEUTRAL = {
-    "tools": [],
-    "tool_choice": "none",
     "echo": False,
     "best_of": 1,
     "suffix": "",
-    "n": 1,
 }
+
+
+class FunctionSpec(Schema):
+    name: FunctionName
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, in the structured outputs subset
+    strict: StrictBool | None = None
+
+
+class FunctionTool(Schema):
+    type: Literal["function"]
+    function: FunctionSpec
+
+    @classmethod
+    def nested_schemas(cls):
+        return {"function": FunctionSpec}
+
+
+class ChosenFunction(Schema):
+    name: FunctionName
+
+
+class NamedToolChoice(Schema):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class GenerationRequest(Schema):
@@ -113,7 +164,7 @@ class GenerationRequest(Schema):
     top_p: TopP = 1.0
     stop: Stop | None = None
     seed: Seed | None = None
-    n: PositiveInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=N_MAX)] = 1  # choices, sharing one prefill (SPEC 4a)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1024)] | None = None
@@ -143,12 +194,15 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    # Function tools (inference_app/tools.py): rendered by the template, a forced call decoded
+    # under its parameters' grammar. One call per answer: parallel_tool_calls is read, not needed.
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @classmethod
     def nested_schemas(cls):
-        return {"messages": ChatMessage, "stream_options": StreamOptions}
+        return {"messages": ChatMessage, "stream_options": StreamOptions, "tools": FunctionTool}
 
     def requested_max_tokens(self):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
@@ -297,6 +351,8 @@ def parse_request(endpoint, body, strict, param_prefix=""):
     _check_honoured(request, endpoint, param_prefix)
     if getattr(request, "response_format", None) is not None:
         check_response_format(request.response_format, param_prefix + "response_format")
+    if isinstance(request, ChatCompletionRequest):
+        check_tools(request, param_prefix)
     _check_scoring(request, param_prefix)
     _check_consistency(request, param_prefix)
     unused = _unused_fields(schema, body, [])
@@ -407,7 +463,7 @@ def _strip_union_tags(loc):
         if isinstance(part, str) and not part.isidentifier():
             tagged = True  # "list[TextPart]", "function-after[...]"
             continue
-        if isinstance(part, str) and part in ("str", "int", "float", "bool", "list", "dict", "TextPart"):
+        if isinstance(part, str) and part in ("str", "int", "float", "bool", "list", "dict", "TextPart", "NamedToolChoice"):
             tagged = True
             continue
         path.append(part)
@@ -464,10 +520,13 @@ def _check_scoring(request, param_prefix):
         raise _scoring_error(param_prefix + max_name, f"scoring mode needs an explicit {max_name} of 1, got {got}")
     if request.stream:
         raise _scoring_error(param_prefix + "stream", "scoring mode cannot stream")
+    if request.n != 1:
+        raise _scoring_error(param_prefix + "n", f"scoring mode gives one choice, got n = {request.n}")
     # These shape generated tokens; scoring reports the model's own distribution at one position.
     shaping = {"logit_bias": bool(request.logit_bias), "presence_penalty": bool(request.presence_penalty),
                "frequency_penalty": bool(request.frequency_penalty),
-               "response_format": grammar_kind(request.response_format) is not None}
+               "response_format": grammar_kind(request.response_format) is not None,
+               "tool_choice": call_format(request) is not None}
     refused = [name for name, sent in shaping.items() if sent]
     if refused:
         raise ApiError(400, "field_not_honoured",

@@ -9,7 +9,7 @@ from typing_extensions import NotRequired
 
 from millm_lib.shapes import Shape
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 ModelState = Literal["available", "loading", "resident", "unloading", "error"]
 WeightsFlag = Literal["clean", "torn"]
 
@@ -38,10 +38,22 @@ class ChatLogprobs(Shape):
     refusal: None
 
 
+class FunctionCall(Shape):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Shape):
+    id: Annotated[str, Field(pattern=r"^call_")]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(Shape):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the answer is a tool call
     refusal: None
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatChoice(Shape):
@@ -61,9 +73,22 @@ class ChatCompletion(Shape):
     usage: Usage
 
 
+class FunctionCallDelta(Shape):
+    name: NotRequired[str]
+    arguments: NotRequired[str]  # a piece of the JSON text
+
+
+class ToolCallDelta(Shape):
+    index: int
+    id: NotRequired[Annotated[str, Field(pattern=r"^call_")]]
+    type: NotRequired[Literal["function"]]
+    function: NotRequired[FunctionCallDelta]
+
+
 class ChatDelta(Shape):
     role: NotRequired[Annotated[Literal["assistant"] | None, Field(default=None)]]
     content: NotRequired[Annotated[str | None, Field(default=None)]]
+    tool_calls: NotRequired[list[ToolCallDelta]]
 
 
 class ChatChunkChoice(Shape):

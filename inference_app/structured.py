@@ -40,9 +40,9 @@ def schema_of(response_format):
 
 
 def grammar_sha(response_format):
-    """A short hash of what the answer is constrained to (the X-miLLM-Grammar header, the cache key)."""
-    canonical = json.dumps([grammar_kind(response_format), schema_of(response_format)], sort_keys=True,
-                           separators=(",", ":"))
+    """A short hash of what the answer is constrained to (the X-miLLM-Grammar header, the cache
+    key). Keys keep their order: properties are generated in the order the schema gives them."""
+    canonical = json.dumps([grammar_kind(response_format), schema_of(response_format)], separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
@@ -60,17 +60,20 @@ def check_response_format(response_format, param):
     name = described.get("name")
     if not isinstance(name, str) or not name or len(name) > 64:
         raise _refusal(f"{param}.json_schema.name", "a name of 1 to 64 characters is required")
-    schema = described.get("schema")
-    if not isinstance(schema, dict):
-        raise _refusal(f"{param}.json_schema.schema", "a JSON schema (an object) is required")
     strict = described.get("strict", False)
     if not isinstance(strict, bool):
         raise _refusal(f"{param}.json_schema.strict", f"expected true or false, got {json.dumps(strict)[:80]}")
+    check_schema(described.get("schema"), f"{param}.json_schema.schema", strict)
+
+
+def check_schema(schema, path, strict):
+    """Refuse a JSON schema outside the subset (or, when `strict`, outside its strict rules),
+    naming the path of the first offence; a response format's schema and a tool's parameters."""
+    if not isinstance(schema, dict):
+        raise _refusal(path, "a JSON schema (an object) is required")
     if strict and schema.get("type") != "object":
-        raise _refusal(f"{param}.json_schema.schema.type",
-                       "a strict schema's root must be an object ({\"type\": \"object\", ...})")
-    counted = [0]
-    _check_node(schema, f"{param}.json_schema.schema", strict, 0, schema, counted)
+        raise _refusal(f"{path}.type", "a strict schema's root must be an object ({\"type\": \"object\", ...})")
+    _check_node(schema, path, strict, 0, schema, [0])
 
 
 def _check_node(node, path, strict, depth, root, counted):

@@ -234,7 +234,7 @@ PUBLIC = {
     "projects_app": {"models", "access", "admin"},  # admin: the usage readers' registry
     "files_app": {"models", "uploads", "retention"},
     "inference_app": {
-        "models", "schemas", "structured", "catalogue", "gateway", "leases", "events", "backlog",
+        "models", "schemas", "structured", "tools", "catalogue", "gateway", "leases", "events", "backlog",
         "engine.policy",  # the scheduling policy, read by the runner and the batch models
         "engine.rows",  # the engine's one call for a chunk of rows (and a row's grammar, at validation)
         "engine.seating",  # Seating: the one interface to the model

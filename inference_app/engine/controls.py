@@ -7,7 +7,7 @@ tokens (the prompt does not count):
 
     logits[j] += bias[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty
 
-A `response_format` other than text adds the sequence's grammar state (grammars.py): its mask
+A `response_format` other than text, or a forced tool call (inference_app/tools.py), adds the sequence's grammar state (grammars.py): its mask
 goes last, so a bias never lets a token through that the grammar forbids.
 
 A sequence that sets none of them has no Controls (None) and pays nothing.
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference_app.engine import grammars
+from inference_app.tools import decoding_format
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Controls:
         bias = tuple(sorted((int(token), float(value)) for token, value in (request.logit_bias or {}).items() if value))
         presence = float(request.presence_penalty or 0)
         frequency = float(request.frequency_penalty or 0)
-        grammar = grammars.state_for(runtime, getattr(request, "response_format", None)) if runtime is not None else None
+        grammar = grammars.state_for(runtime, decoding_format(request)[0]) if runtime is not None else None
         if not bias and not presence and not frequency and grammar is None:
             return None
         return cls(bias, presence, frequency, grammar)

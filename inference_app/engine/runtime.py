@@ -3,6 +3,7 @@
 Every method that touches weights runs in the engine's model thread, under the admission slot.
 """
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from django.conf import settings
 from inference_app.engine import compiled, quantized
 from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
+from inference_app import tools as chat_tools
 from inference_app.provenance import system_fingerprint
 
 
@@ -78,11 +80,15 @@ class ResidentModel:
         so chat scoring equals completions scoring of the rendered prompt to the bit."""
         return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
-    def render_chat(self, messages):
-        conversation = [{"role": message.template_role(), "content": message.text()} for message in messages]
+    def render_chat(self, messages, tools=()):
+        """The prompt of a conversation, with `tools` (function tools) shown to the model: by the
+        chat template when it reads them, else in the system message (inference_app/tools.py)."""
+        native = bool(tools) and "tools" in str(self.tokenizer.chat_template or "")
+        conversation = chat_tools.conversation(messages, tools, native)
         add_generation_prompt = messages[-1].role != "assistant"
+        extra = {"tools": [chat_tools.template_tool(tool) for tool in tools]} if native else {}
         return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
 
     def decode(self, token_ids):
@@ -110,10 +116,25 @@ class ResidentModel:
     def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False, controls=None):
         """Yield sampled token ids one at a time, with a KV cache; stops at EOS or the limit.
         `controls`: the sequence's sampling controls (controls.Controls), or None."""
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        yield from self._decode(out, max_new_tokens, temperature, top_p, seed, cancelled, controls)
+
+    @torch.inference_mode()
+    def generate_choices(self, prompt_ids, max_new_tokens, temperature, top_p, seeds, cancelled=lambda: False,
+                         controls=()):
+        """A token iterator per seed (a request's `n` choices), all from one prefill: each choice
+        decodes from its own copy of the prompt's cache. `controls`: one per choice (or None)."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        copies = [out] + [copy.deepcopy(out) for _ in seeds[1:]]
+        return [self._decode(prefilled, max_new_tokens, temperature, top_p, seed, cancelled, choice_controls)
+                for prefilled, seed, choice_controls in zip(copies, seeds, controls or [None] * len(seeds))]
+
+    @torch.inference_mode()
+    def _decode(self, out, max_new_tokens, temperature, top_p, seed, cancelled, controls):
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         produced = []
         for _ in range(max_new_tokens):
             if cancelled():

@@ -22,6 +22,7 @@ The consumer (a service function, in a thread of its own) reads tokens from the 
 waits until the scheduler has dropped it, so a released seat never has a forward pass in flight.
 """
 
+import copy
 import logging
 import os
 import queue
@@ -48,8 +49,10 @@ _NOT_SEATED = frozenset({"last_logits", "packed_last_logits", "packed_embed", "e
 
 class Sequence:
     def __init__(self, runtime, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled, interactive,
-                 controls=None):
+                 controls=None, prefill_key=None):
         self.runtime = runtime
+        # Sequences with the same key (a request's `n` choices) share one prefill when they join together.
+        self.prefill_key = prefill_key
         self.controls = controls  # its sampling controls (controls.Controls), or None
         self.prompt_ids = list(prompt_ids)
         self.max_new_tokens = max_new_tokens
@@ -151,11 +154,13 @@ class StepScheduler:
         mode = policy.lane_mode(self.batch_rows_beside_chats, sequence.runtime.device.type)
         return self.chats if mode == "decode" else self.rows
 
-    def submit(self, sequence):
+    def submit(self, *sequences):
+        """Put sequences in line, together (a request's choices join at the same step boundary)."""
         with self._condition:
-            interactive_waiting = sum(1 for waiting in self._waiting if waiting.interactive)
-            self._waiting.insert(policy.place_in_line(interactive_waiting, len(self._waiting), sequence.interactive),
-                                 sequence)
+            for sequence in sequences:
+                interactive_waiting = sum(1 for waiting in self._waiting if waiting.interactive)
+                self._waiting.insert(
+                    policy.place_in_line(interactive_waiting, len(self._waiting), sequence.interactive), sequence)
             if self._draining:
                 return
             self._draining = True
@@ -233,12 +238,16 @@ class StepScheduler:
             return joining  # this model decodes one sequence at a time
         with self._condition:
             for sequence in list(self._waiting):
-                if not policy.joins_this_step(len(joining), len(sequence.context_ids), budget, room):
+                # A sibling of a joiner costs no prefill: it shares the joiner's.
+                shared = sequence.prefill_key is not None and any(
+                    joiner.prefill_key is sequence.prefill_key for joiner in joining)
+                cost = 0 if shared else len(sequence.context_ids)
+                if not policy.joins_this_step(len(joining), cost, budget, room):
                     break
                 if self.lane_of(sequence) is lane:
                     self._waiting.remove(sequence)
                     joining.append(sequence)
-                    budget -= len(sequence.context_ids)
+                    budget -= cost
         return joining
 
     def _admit(self, lane, joining):
@@ -246,12 +255,12 @@ class StepScheduler:
         first token (so `shared_at_first_token` is known before the token is seen). A joiner
         that does not fit waits again (or, alone, ends with a 503); a model whose cache cannot
         merge takes one sequence at a time."""
-        admitted = []
+        admitted, prefilled = [], {}  # prefilled: a prefill key -> (its cache, logits), for siblings
         for index, sequence in enumerate(joining):
             if index and lane is not self.chats and self._chat_waiting():
                 self._requeue(joining[index:])  # a chat came during the rows' prefills: it goes first
                 break
-            logits = self._prefill_and_merge(lane, sequence)
+            logits = self._prefill_and_merge(lane, sequence, prefilled)
             if logits is _WAIT:  # no room: it and the joiners after it wait
                 self._requeue(joining[index:])
                 break
@@ -266,16 +275,23 @@ class StepScheduler:
         with self._condition:
             return any(self.lane_of(waiting) is self.chats for waiting in self._waiting)
 
-    def _prefill_and_merge(self, lane, sequence):
+    def _prefill_and_merge(self, lane, sequence, prefilled):
         """The joiner's logits once it is a row of the lane; _WAIT when it must wait, _ENDED
-        when it cannot fit even alone."""
+        when it cannot fit even alone. A sibling whose prompt was prefilled at this boundary
+        takes a copy of that prefill's cache instead of running its own."""
         if not lane.live and (lane.decoder is None or lane.decoder.runtime is not sequence.runtime):
             lane.decoder = self.decoder_class(sequence.runtime)
         if lane.live and not lane.merges:
             return _WAIT
         context = sequence.context_ids
+        key = (sequence.prefill_key, tuple(context)) if sequence.prefill_key is not None else None
         try:
-            cache, logits = lane.decoder.prefill(context)
+            if key in prefilled:
+                cache, logits = _copied(prefilled[key])
+            else:
+                cache, logits = lane.decoder.prefill(context)
+                if key is not None:
+                    prefilled[key] = _copied((cache, logits))  # before the merge makes it the lane's
             lane.decoder.merges = BatchedDecoder.mergeable(cache)
             if lane.live and not lane.decoder.merges:
                 return _WAIT
@@ -357,6 +373,11 @@ class StepScheduler:
             lane.capacity = None  # the device has all its memory back: try full width again
 
 
+@torch.inference_mode()
+def _copied(prefill):
+    return copy.deepcopy(prefill)
+
+
 def does_not_fit(tokens):
     return ApiError(
         503, "out_of_memory",
@@ -398,17 +419,40 @@ class SeatedRuntime:
         return any(sequence.shared_at_first_token for sequence in self.sequences)
 
     def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False, controls=None):
-        stopped = self._stopped
-        sequence = Sequence(
-            self._runtime, prompt_ids, max_new_tokens, temperature, top_p, seed,
-            lambda: cancelled() or stopped(), self._interactive, controls,
-        )
+        [tokens] = self.generate_choices(prompt_ids, max_new_tokens, temperature, top_p, [seed], cancelled, [controls])
+        yield from tokens
+
+    def generate_choices(self, prompt_ids, max_new_tokens, temperature, top_p, seeds, cancelled=lambda: False,
+                         controls=()):
+        """A token iterator per seed (a request's `n` choices): one sequence each, submitted
+        together so that they share one prefill and decode in the same steps."""
+        stopped, key = self._stopped, object()
+        sequences = [Sequence(self._runtime, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                              lambda: cancelled() or stopped(), self._interactive, choice_controls,
+                              prefill_key=key if len(seeds) > 1 else None)
+                     for seed, choice_controls in zip(seeds, controls or [None] * len(seeds))]
         if max_new_tokens <= 0 or self._stopped():
-            return
-        self.sequences.append(sequence)
-        self._scheduler.submit(sequence)
-        try:
-            while (token := sequence.next_token()) is not None:
-                yield token
-        finally:
-            sequence.close()
+            return [iter(()) for _ in sequences]
+        self.sequences.extend(sequences)
+        self._scheduler.submit(*sequences)
+        return [_Tokens(sequence) for sequence in sequences]
+
+
+class _Tokens:
+    """A submitted sequence's tokens; closing the iterator, started or not, closes the sequence."""
+
+    def __init__(self, sequence):
+        self.sequence = sequence
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        token = self.sequence.next_token()
+        if token is None:
+            self.close()
+            raise StopIteration
+        return token
+
+    def close(self):
+        self.sequence.close()

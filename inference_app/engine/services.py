@@ -23,7 +23,9 @@ from millm_lib.shapes import ManagementSuccess
 from inference_app.engine.controls import Controls
 from inference_app.engine.grammars import compile_grammar
 from inference_app.provenance import provenance_headers
+from inference_app.schemas import SEED_MAX
 from inference_app.structured import grammar_kind, grammar_sha
+from inference_app.tools import CallStream, decoding_format, read_calls, renders_tools, tool_calls
 from inference_app.shapes import (
     AssistantMessage,
     ChatChoice,
@@ -110,9 +112,9 @@ def check_controls(runtime, parsed):
             f"tokens (0 to {runtime.vocab_size - 1})",
             param="logit_bias",
         )
-    response_format = getattr(parsed.request, "response_format", None)
-    if grammar_kind(response_format) is not None:
-        compile_grammar(runtime, response_format)  # cached: the sequence's own state reuses it
+    decoded, param = decoding_format(parsed.request)
+    if grammar_kind(decoded) is not None:
+        compile_grammar(runtime, decoded, param)  # cached: the sequence's own state reuses it
 
 
 def headers_for(runtime, parsed):
@@ -120,9 +122,10 @@ def headers_for(runtime, parsed):
     request shared a decode step with another (a seated runtime knows; the model alone never
     shares)."""
     headers = provenance_headers(runtime.model_id, parsed.endpoint, parsed.request, parsed.ignored)
-    kind = grammar_kind(getattr(parsed.request, "response_format", None))
+    decoded, param = decoding_format(parsed.request)
+    kind = grammar_kind(decoded)
     if kind is not None:  # the answer was decoded under a grammar (SPEC 4a)
-        headers["X-miLLM-Grammar"] = f"{kind};sha={grammar_sha(parsed.request.response_format)}"
+        headers["X-miLLM-Grammar"] = f"{'tool_call' if param == 'tools' else kind};sha={grammar_sha(decoded)}"
     if getattr(runtime, "shared", False):
         headers["X-miLLM-Backend"] = "batched"
     return headers
@@ -135,53 +138,64 @@ def chat_completion(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
     if request.is_scoring():
         return score(runtime, parsed)
-    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
+    prompt_ids = chat_prompt(runtime, request)
     max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
-    text, finish_reason, produced = _generate_text(runtime, request, prompt_ids, max_tokens, cancelled)
-    body = _chat_body(runtime, text, finish_reason, _usage(len(prompt_ids), produced))
-    return ServiceResult(body, headers_for(runtime, parsed))
+    assemblers = _generate_choices(runtime, request, prompt_ids, max_tokens, cancelled)
+    choices = []
+    for index, assembler in enumerate(assemblers):
+        content, calls = read_calls(request, assembler.text)
+        message = AssistantMessage(role="assistant", content=content, refusal=None)
+        if calls:
+            message["tool_calls"] = tool_calls(calls)
+        finish_reason = "tool_calls" if calls and assembler.finish_reason == "stop" else assembler.finish_reason
+        choices.append(ChatChoice(index=index, message=message, logprobs=None, finish_reason=finish_reason))
+    usage = _usage(len(prompt_ids), sum(assembler.produced for assembler in assemblers))
+    return ServiceResult(_chat_body(runtime, choices, usage), headers_for(runtime, parsed))
 
 
-def _chat_body(runtime, content, finish_reason, usage, logprobs=None):
+def chat_prompt(runtime, request):
+    """A chat request's prompt tokens: its messages, and the tools it shows the model."""
+    return runtime.encode(runtime.render_chat(request.messages, renders_tools(request)))
+
+
+def _chat_body(runtime, choices, usage):
     return ChatCompletion(
         id=new_id("chatcmpl-"),
         object="chat.completion",
         created=int(time.time()),
         model=runtime.model_id,
         system_fingerprint=runtime.fingerprint,
-        choices=[
-            ChatChoice(
-                index=0,
-                message=AssistantMessage(role="assistant", content=content, refusal=None),
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-            )
-        ],
+        choices=choices,
         usage=usage,
     )
 
 
 def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
     request = parsed.request
-    prompt_ids = runtime.encode(runtime.render_chat(request.messages))
+    prompt_ids = chat_prompt(runtime, request)
     max_tokens = _max_tokens(runtime, prompt_ids, request.requested_max_tokens(), DEFAULT_CHAT_MAX_TOKENS, "messages")
     # A chunk per token: what every chunk of this stream repeats is built once.
     head = ChatCompletionChunk(id=new_id("chatcmpl-"), object="chat.completion.chunk", created=int(time.time()),
                                model=runtime.model_id, system_fingerprint=runtime.fingerprint, choices=[])
 
-    def chunk(delta, finish_reason=None):
+    def chunk(index, delta, finish_reason=None):
         body = head.copy()
-        body["choices"] = [ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish_reason)]
+        body["choices"] = [ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=finish_reason)]
         return body
 
     def chunks():
-        yield chunk(ChatDelta(role="assistant", content=""))
-        assembler = TextAssembler(runtime, request.stop_sequences())
-        for delta in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
-            yield chunk(ChatDelta(content=delta))
-        yield chunk(ChatDelta(), assembler.finish_reason)
+        assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
+        calls = [CallStream(request) for _ in assemblers]  # text as content, or tool_calls deltas (tools.py)
+        for index in range(request.n):
+            yield chunk(index, ChatDelta(role="assistant", content=""))
+        for index, delta in _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
+            yield from (chunk(index, ChatDelta(**piece)) for piece in calls[index].feed(delta))
+        for index, (assembler, call) in enumerate(zip(assemblers, calls)):
+            yield from (chunk(index, ChatDelta(**piece)) for piece in call.finish())
+            called = call.called and assembler.finish_reason == "stop"
+            yield chunk(index, ChatDelta(), "tool_calls" if called else assembler.finish_reason)
         if request.include_usage():
-            yield {**head, "usage": _usage(len(prompt_ids), assembler.produced)}
+            yield {**head, "usage": _usage(len(prompt_ids), sum(assembler.produced for assembler in assemblers))}
 
     return headers_for(runtime, parsed), chunks()
 
@@ -190,17 +204,19 @@ def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
 
 
 def completion(runtime, parsed, cancelled=never_cancelled):
+    """A choice for each prompt and each of the `n` (prompt by prompt: index = prompt x n + choice)."""
     request = parsed.request
     if request.is_scoring():
         return score(runtime, parsed)
     encoded = [runtime.encode(prompt) for prompt in request.prompts()]
     limits = [_max_tokens(runtime, ids, request.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, "prompt") for ids in encoded]
     choices, prompt_tokens, produced = [], 0, 0
-    for index, (ids, limit) in enumerate(zip(encoded, limits)):
-        text, finish_reason, count = _generate_text(runtime, request, ids, limit, cancelled)
-        choices.append(CompletionChoice(index=index, text=text, logprobs=None, finish_reason=finish_reason))
+    for ids, limit in zip(encoded, limits):
+        for assembler in _generate_choices(runtime, request, ids, limit, cancelled):
+            choices.append(CompletionChoice(index=len(choices), text=assembler.text, logprobs=None,
+                                            finish_reason=assembler.finish_reason))
+            produced += assembler.produced
         prompt_tokens += len(ids)
-        produced += count
     return ServiceResult(_completion_body(runtime, choices, _usage(prompt_tokens, produced)), headers_for(runtime, parsed))
 
 
@@ -224,18 +240,19 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
     head = CompletionChunk(id=new_id("cmpl-"), object="text_completion", created=int(time.time()),
                            model=runtime.model_id, system_fingerprint=runtime.fingerprint, choices=[])
 
-    def chunk(text, finish_reason=None):
+    def chunk(index, text, finish_reason=None):
         body = head.copy()
-        body["choices"] = [CompletionChunkChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)]
+        body["choices"] = [CompletionChunkChoice(index=index, text=text, logprobs=None, finish_reason=finish_reason)]
         return body
 
     def chunks():
-        assembler = TextAssembler(runtime, request.stop_sequences())
-        for delta in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
-            yield chunk(delta)
-        yield chunk("", assembler.finish_reason)
+        assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
+        for index, delta in _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
+            yield chunk(index, delta)
+        for index, assembler in enumerate(assemblers):
+            yield chunk(index, "", assembler.finish_reason)
         if request.include_usage():
-            yield {**head, "usage": _usage(len(prompt_ids), assembler.produced)}
+            yield {**head, "usage": _usage(len(prompt_ids), sum(assembler.produced for assembler in assemblers))}
 
     return headers_for(runtime, parsed), chunks()
 
@@ -272,7 +289,7 @@ def plan(runtime, parsed):
                 )
         return encoded
     if parsed.endpoint == CHAT:
-        encoded, prompt_param = [runtime.encode(runtime.render_chat(request.messages))], "messages"
+        encoded, prompt_param = [chat_prompt(runtime, request)], "messages"
     else:
         encoded, prompt_param = [runtime.encode(prompt) for prompt in request.prompts()], "prompt"
     for ids in encoded:
@@ -306,7 +323,9 @@ def build(runtime, parsed, encoded, outputs):
         entry = TokenLogprob(**_token_entry(runtime, chosen, logprob),
                              top_logprobs=[_token_entry(runtime, token_id, value) for token_id, value in top])
         logprobs = ChatLogprobs(content=[entry], refusal=None)
-        body = _chat_body(runtime, runtime.token_string(chosen), "length", _usage(len(encoded[0]), 1), logprobs)
+        message = AssistantMessage(role="assistant", content=runtime.token_string(chosen), refusal=None)
+        choice = ChatChoice(index=0, message=message, logprobs=logprobs, finish_reason="length")
+        body = _chat_body(runtime, [choice], _usage(len(encoded[0]), 1))
     else:
         count = _top_count(request.logprobs, request.allowed_token_ids)
         choices = []
@@ -521,31 +540,53 @@ def _check_context(runtime, prompt_tokens, max_tokens, prompt_param):
     )
 
 
-def _generate_text(runtime, request, prompt_ids, max_tokens, cancelled):
-    assembler = TextAssembler(runtime, request.stop_sequences())
-    for _ in _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
+def _generate_choices(runtime, request, prompt_ids, max_tokens, cancelled):
+    """The request's `n` choices for one prompt, whole: a TextAssembler each (text, finish
+    reason, tokens produced)."""
+    assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
+    for _ in _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
         pass
-    return assembler.text, assembler.finish_reason, assembler.produced
+    return assemblers
 
 
-def _text_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assembler):
-    """Yield the answer's text as it is generated; `assembler` keeps the whole and the reason."""
-    tokens = runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled,
-                              Controls.of(request, runtime))
-    with contextlib.closing(tokens):  # a stop sequence ends the sequence now, not when collected
-        for token in tokens:
-            if token.finished_by_eos:
-                assembler.finish_reason = "stop"
-                break
-            delta = assembler.add(token.token_id)
-            if delta:
-                yield delta
-            if assembler.stopped:
-                assembler.finish_reason = "stop"
-                break
-    rest = assembler.finish()
-    if rest:
-        yield rest
+def choice_seeds(seed, count):
+    """Choice i of a seeded request samples with seed + i (wrapping): the choices differ, and
+    each repeats."""
+    return [None if seed is None else (seed + index) % (SEED_MAX + 1) for index in range(count)]
+
+
+def _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
+    """Yield (choice index, text delta) as the choices are generated, a token of each in turn;
+    `assemblers[i]` keeps choice i's whole text and finish reason. One choice decodes alone; `n`
+    of them share one prefill (`generate_choices`), each with its own seed and controls."""
+    controls = [Controls.of(request, runtime) for _ in assemblers]
+    if len(assemblers) == 1:
+        streams = [runtime.generate(prompt_ids, max_tokens, request.temperature, request.top_p, request.seed, cancelled,
+                                    controls[0])]
+    else:
+        streams = runtime.generate_choices(prompt_ids, max_tokens, request.temperature, request.top_p,
+                                           choice_seeds(request.seed, len(assemblers)), cancelled, controls)
+    live = dict(enumerate(streams))
+    try:
+        while live:
+            for index, tokens in list(live.items()):
+                assembler = assemblers[index]
+                token = next(tokens, None)
+                if token is not None and not token.finished_by_eos:
+                    delta = assembler.add(token.token_id)
+                    if delta:
+                        yield index, delta
+                    if not assembler.stopped:
+                        continue
+                if token is not None:  # EOS or a stop sequence
+                    assembler.finish_reason = "stop"
+                live.pop(index).close()  # a stop sequence ends the sequence now, not when collected
+                rest = assembler.finish()
+                if rest:
+                    yield index, rest
+    finally:
+        for tokens in live.values():
+            tokens.close()
 
 
 def _usage(prompt_tokens, completion_tokens):

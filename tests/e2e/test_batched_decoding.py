@@ -9,6 +9,7 @@ import signal
 from collections import Counter
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.e2e.batch_helpers import assert_ran_once, line, read_jsonl, start_batch, wait_for
@@ -57,6 +58,36 @@ def test_batched_rows_answer_as_serial_rows_and_say_so(seated):
         backend = response["millm"]["headers"]["X-miLLM-Backend"]
         assert response["millm"]["batched"] is (backend == "batched")
     assert sum(response["millm"]["batched"] for response in together.values()) >= 10  # they shared their steps
+
+
+def test_schema_rows_and_a_tool_row_answer_validly_one_at_a_time_and_seated(seated):
+    # issue 29: each row keeps its own grammar state; random weights pass only under the grammar.
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer"},
+                                               "name": {"type": "string", "maxLength": 8}},
+              "required": ["kind", "age", "name"], "additionalProperties": False}
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+               "additionalProperties": False}
+    ask = [{"role": "user", "content": "Describe a pet."}]
+    rows = [line(f"schema-{seed}", CHAT, {"model": MODEL_ID, "messages": ask, "max_tokens": 80, "temperature": 1.0,
+                                          "seed": seed, "response_format": {"type": "json_schema", "json_schema": {
+                                              "name": "pet", "schema": schema, "strict": True}}})
+            for seed in range(4)]
+    rows.append(line("tool", CHAT, {"model": MODEL_ID, "messages": ask, "max_tokens": 60, "seed": 9,
+                                    "tools": [{"type": "function", "function": {"name": "weather", "strict": True,
+                                                                                "parameters": weather}}],
+                                    "tool_choice": "required"}))
+    client = seated.client
+    for batched in (False, True):
+        batch = wait_for(client, start_batch(client, rows, CHAT, extra_body={"batched_decoding": batched}).id)
+        assert (batch.status, batch.request_counts.completed) == ("completed", 5), batched
+        output = answers(client, batch)
+        for seed in range(4):
+            jsonschema.validate(json.loads(output[f"schema-{seed}"]["body"]["choices"][0]["message"]["content"]), schema)
+        called = output["tool"]["body"]["choices"][0]
+        assert called["finish_reason"] == "tool_calls"
+        assert called["message"]["tool_calls"][0]["function"]["name"] == "weather"
+        jsonschema.validate(json.loads(called["message"]["tool_calls"][0]["function"]["arguments"]), weather)
+        assert output["tool"]["millm"]["headers"]["X-miLLM-Grammar"].startswith("tool_call;sha=")
 
 
 def test_a_chat_sent_while_16_rows_decode_streams_before_the_batch_ends(seated):

@@ -136,14 +136,29 @@ def test_strict_mode_refuses_unused_fields_naming_every_one(client):
 def test_a_field_the_server_cannot_honour_is_refused_in_every_mode(client):
     for strict in ("false", "true"):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(
-                model=MODEL_ID, messages=MESSAGES, max_tokens=2, n=2,
-                extra_headers={"X-miLLM-Strict": strict},
-            )
+            client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, best_of=2,
+                                      extra_headers={"X-miLLM-Strict": strict})
         assert caught.value.code == "field_not_honoured"
-        assert caught.value.param == "n"
+        assert caught.value.param == "best_of"
     # The neutral value changes nothing, so it is accepted.
-    client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=2, n=1)
+    client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, best_of=1)
+
+
+def test_n_choices_differ_repeat_with_their_seed_and_stream_by_index(client):
+    answer = client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=6, n=3, seed=4, temperature=1)
+    texts = [choice.message.content for choice in answer.choices]
+    assert [choice.index for choice in answer.choices] == [0, 1, 2] and len(set(texts)) == 3
+    alone = [client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=6, seed=4 + index,
+                                            temperature=1) for index in range(3)]
+    assert texts == [single.choices[0].message.content for single in alone]  # choice i samples with seed + i
+    assert answer.usage.prompt_tokens == alone[0].usage.prompt_tokens  # one prompt, prefilled once
+    assert answer.usage.completion_tokens == sum(single.usage.completion_tokens for single in alone)
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, max_tokens=6, n=3, seed=4,
+                                                temperature=1, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
 
 
 def token_text(client, token_id):
@@ -212,3 +227,44 @@ def test_parse_reads_a_pydantic_answer_for_every_seed_and_a_streamed_one_parses(
         client.chat.completions.create(model=MODEL_ID, messages=MESSAGES, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"type": "object", "not": {}}}})
     assert (caught.value.code, caught.value.param) == ("invalid_request_error", "response_format.json_schema.schema.not")
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class GetTime(BaseModel):
+    zone: str = Field(max_length=8)
+
+
+def test_named_and_required_tool_calls_parse_and_a_tool_result_goes_back(client):
+    # Strict function tools as the SDK writes them; random weights call validly only under the grammar.
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ({"type": "function", "function": {"name": "GetWeather"}}, "required"):
+        for stream in (False, True):
+            if stream:
+                with client.chat.completions.stream(model=MODEL_ID, messages=question, tools=tools, tool_choice=choice,
+                                                    max_tokens=60, seed=2) as events:
+                    completion = events.get_final_completion()
+            else:
+                raw = client.chat.completions.with_raw_response.parse(
+                    model=MODEL_ID, messages=question, tools=tools, tool_choice=choice, max_tokens=60, seed=2)
+                assert raw.headers["X-miLLM-Grammar"].startswith("tool_call;sha=")
+                completion = raw.parse()
+            answer = completion.choices[0]
+            assert answer.finish_reason == "tool_calls", (choice, stream)
+            [call] = answer.message.tool_calls
+            assert isinstance(call.function.parsed_arguments, (GetWeather, GetTime))
+            if isinstance(choice, dict):
+                assert isinstance(call.function.parsed_arguments, GetWeather)
+    followed = client.chat.completions.create(model=MODEL_ID, max_tokens=8, tools=tools, messages=[
+        *question, {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}])
+    assert followed.choices[0].message.content and followed.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL_ID, messages=question, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "Nope"}})
+    assert (caught.value.code, caught.value.param) == ("invalid_request_error", "tool_choice.function.name")

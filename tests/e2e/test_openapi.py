@@ -128,7 +128,8 @@ def test_the_request_bodies_are_the_pydantic_models_the_views_validate_with(gene
     assert components["ProbeScoreRequest"]["additionalProperties"] is False  # management bodies refuse unknown keys
     assert "$defs" not in json.dumps(generated)  # every nested model is a component
     # What the server cannot honour takes only its neutral value (schemas.NEUTRAL).
-    assert components["ChatCompletionRequest"]["properties"]["n"]["anyOf"] == [{"const": 1}, {"type": "null"}]
+    assert components["CompletionRequest"]["properties"]["best_of"]["anyOf"] == [{"const": 1}, {"type": "null"}]
+    assert components["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 8  # honoured up to 8 (issue 29)
     assert components["EmbeddingRequest"]["properties"]["dimensions"]["type"] == "null"
 
 

@@ -63,6 +63,10 @@ def test_the_chat_scoring_probe_and_lease_examples_run_as_written(stack, tmp_pat
     parsed_py = examples("Endpoints", "python", level="##")[0]  # structured outputs through the SDK's parse
     assert "kind=" in run([sys.executable, "-c", for_the_test_server(parsed_py, stack)], tmp_path)
 
+    tools_py = examples("Endpoints", "python", level="##")[1]  # a forced tool call and its result sent back
+    called = run([sys.executable, "-c", for_the_test_server(tools_py, stack)], tmp_path).splitlines()
+    assert called[0].startswith("GetWeather city=")
+
     controlled_sh = examples("Endpoints", "sh", level="##")[0]  # the sampling controls
     controlled = json.loads(run(["bash", "-euo", "pipefail", "-c", for_the_test_server(controlled_sh, stack)], tmp_path))
     assert controlled["object"] == "text_completion" and controlled["usage"]["completion_tokens"] > 0

@@ -54,6 +54,7 @@ def test_a_random_model_answers_in_the_schema_and_says_so(resident, seed):
     choice = result.body["choices"][0]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert list(json.loads(choice["message"]["content"])) == list(SCHEMA["properties"])  # the schema's order
     kind, sha = result.headers["X-miLLM-Grammar"].split(";sha=")
     assert kind == "json_schema" and len(sha) == 12
     unconstrained = answer(resident, chat_body(resident, seed, {"type": "text"}))

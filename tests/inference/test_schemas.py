@@ -5,6 +5,7 @@ from millm_lib.jsonbody import decode_json
 from inference_app.schemas import parse_request, parse_strict_header
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -45,10 +46,18 @@ def test_neutral_values_of_unhonoured_fields_pass():
     assert parse_request(CHAT, neutral, strict=True).ignored == []
 
 
-@pytest.mark.parametrize("field,value", [("tool_choice", "auto"), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("n", 2)])
+@pytest.mark.parametrize("field,value", [("echo", True), ("best_of", 2), ("suffix", "end")])
 def test_non_neutral_values_are_field_not_honoured(field, value):
-    error = refusal(CHAT, {**BASE, field: value})
+    error = refusal(COMPLETIONS, {"model": "m", "prompt": "x", field: value})
     assert (error.code, error.param) == ("field_not_honoured", field)
+
+
+def test_n_is_honoured_up_to_eight_and_not_in_scoring_mode():
+    assert parse_request(CHAT, {**BASE, "n": 8}, strict=True).request.n == 8
+    error = refusal(CHAT, {**BASE, "n": 9})
+    assert (error.code, error.param) == ("invalid_parameter", "n") and "8" in error.message
+    error = refusal(CHAT, {**BASE, "n": 2, "logprobs": True, "max_tokens": 1})
+    assert (error.code, error.param) == ("invalid_parameter", "n") and "one choice" in error.message
 
 
 def test_scoring_mode_needs_an_explicit_max_tokens_of_one():
