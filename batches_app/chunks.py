@@ -17,7 +17,9 @@ from inference_app.engine.rows import run_rows
 from inference_app.schemas import parse_request
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCORE
+from millm_lib.limits import GENERATION_ENDPOINTS, PACKABLE_ENDPOINTS, PROBE_SCORE, RESPONSES
+from responses_app.requests import renamed
+from responses_app.rows import engine_request, row_answer, row_usage
 
 # One line per chunk executed: its batch, the engine, the lines that produced a result and the
 # moment they had (epoch seconds), logged before any record: a line executed after its
@@ -28,15 +30,18 @@ executions = logging.getLogger("millm.batches.executions")
 @dataclass(frozen=True, slots=True)
 class PendingRow:
     """A row about to run, its body parsed once: its kind, its length, its probes and its run
-    all read `parsed`, the request or the ApiError the route would refuse it with."""
+    all read `parsed`, the request the engine runs or the ApiError the route would refuse it
+    with. `asked`: a /v1/responses row's own request, which its chat answer is recorded as."""
 
     row: BatchRow
     parsed: object
+    asked: object = None
 
     @classmethod
     def of(cls, endpoint, row):
         try:
-            return cls(row, parse_request(endpoint, row.body, strict=True))
+            parsed = parse_request(endpoint, row.body, strict=True)
+            return cls(row, engine_request(parsed), parsed.request if endpoint == RESPONSES else None)
         except ApiError as error:
             return cls(row, error)
 
@@ -83,7 +88,7 @@ class RowMemo:
             # The claimed instance carries the claim's token, which its record is fenced by; a row
             # parsed earlier keeps only its parsed body.
             parsed = self.parsed.get(row.pk)
-            taken.append(PendingRow(row, parsed.parsed) if parsed else PendingRow.of(endpoint, row))
+            taken.append(PendingRow(row, parsed.parsed, parsed.asked) if parsed else PendingRow.of(endpoint, row))
         for row in chosen:
             self.parsed.pop(row.pk, None)
             self.lengths.pop(row.pk, None)
@@ -130,20 +135,26 @@ def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None
     """In the model thread: `rows` (PendingRows) through the engine's run (`run_rows`, which says
     what `pack` and `give_way` do); a RowResult per row run. `probes`: {row id: specs or error}."""
     runs = run_rows(runtime, [(pending.row.pk, pending.parsed) for pending in rows], probes, pack, give_way)
-    by_id = {pending.row.pk: pending.row for pending in rows}
+    by_id = {pending.row.pk: pending for pending in rows}
     if runs and executions.isEnabledFor(logging.INFO):  # off by default: no join per chunk
-        first = by_id[runs[0].key]
+        first = by_id[runs[0].key].row
         executions.info("executed batch=%s engine=%s lines=%s at=%.6f", first.batch_id, first.claimed_by,
-                        ",".join(str(by_id[run.key].line) for run in runs), time.time())
+                        ",".join(str(by_id[run.key].row.line) for run in runs), time.time())
     return [_result(by_id[run.key], endpoint, run.outcome, run.packed) for run in runs]
 
 
-def _result(row, endpoint, outcome, packed):
-    request_id = new_id("req_")
+def _result(pending, endpoint, outcome, packed):
+    row, request_id = pending.row, new_id("req_")
     if isinstance(outcome, ApiError):
+        if pending.asked is not None:
+            outcome = renamed(outcome, "body.")
         body = outcome.management_body() if endpoint == PROBE_SCORE else outcome.body()
         failure = {"status": outcome.status, "code": outcome.code, "message": f"Line {row.line}: {outcome.message}"}
         return RowResult(row, BatchRow.Outcome.FAILED, body, failure, request_id, packed, headers=None, usage={})
+    if pending.asked is not None:  # a /v1/responses row: its chat answer, as a response object
+        answer, kept = row_answer(pending.asked, outcome.body)
+        return RowResult(row, BatchRow.Outcome.SUCCEEDED, answer, None, request_id, packed,
+                         headers=outcome.headers, usage=row_usage(answer), kept=kept)
     usage = outcome.body.get("usage") or {}
     return RowResult(row, BatchRow.Outcome.SUCCEEDED, outcome.body, None, request_id, packed,
                      headers=outcome.headers, usage=usage)

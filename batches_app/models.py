@@ -28,6 +28,7 @@ from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
 from projects_app.models import OwnedQuerySet, Project, quota_exceeded
 from millm_lib.pagination import cursor_page
+from responses_app.models import StoredResponse
 from webhooks_app.models import Delivery
 
 
@@ -493,6 +494,9 @@ class Batch(models.Model):
                 output_tokens=F("output_tokens") + sum(usage.get("completion_tokens", 0) for usage in succeeded),
                 waiting_reason=None,
             )
+            for result in results:
+                if result.kept is not None:  # a /v1/responses row that asked to be stored
+                    StoredResponse.keep(result.response, result.kept, self.project)
         self.refresh_from_db(fields=["completed", "failed", "input_tokens", "output_tokens", "waiting_reason", "status"])
 
     # --- validation's writes, fenced by the claim token ---
@@ -578,6 +582,7 @@ class RowResult:
     packed: bool
     headers: dict | None
     usage: dict
+    kept: list | None = None  # a /v1/responses row stored as a response: the input items it keeps
 
     @property
     def batched(self):

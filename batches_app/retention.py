@@ -1,6 +1,7 @@
 """Retention of everything a batch leaves: its files (files_app's retention) and, after
-BATCH_RETENTION_DAYS, the ended batch itself with its rows. Run by the engine at start-up and
-every BATCH_RETENTION_INTERVAL_S, and by `python manage.py prune`."""
+BATCH_RETENTION_DAYS, the ended batch itself with its rows; and stored responses after
+RESPONSES_RETENTION_DAYS. Run by the engine at start-up and every BATCH_RETENTION_INTERVAL_S, and
+by `python manage.py prune`."""
 
 import logging
 import time
@@ -11,6 +12,7 @@ from django.utils import timezone
 
 from batches_app.models import Batch
 from files_app import retention as file_retention
+from responses_app.models import StoredResponse
 
 log = logging.getLogger("millm.batches")
 
@@ -29,5 +31,6 @@ def run_retention():
     started = time.monotonic()
     outcome = file_retention.run_retention()
     outcome["batches_deleted"] = prune_batches()
+    outcome["responses_deleted"] = StoredResponse.objects.purge_expired()
     outcome["seconds"] = round(time.monotonic() - started, 3)
     return outcome

@@ -22,7 +22,9 @@ from millm_lib.jsonbody import plainly_usable, unusable_text
 from inference_app.schemas import parse_request
 from inference_app.structured import grammar_kind
 from inference_app.tools import decoding_format
-from millm_lib.limits import PROBE_SCORE
+from millm_lib.limits import PROBE_SCORE, RESPONSES
+from responses_app.requests import renamed
+from responses_app.rows import check_row, engine_request
 
 log = logging.getLogger("millm.batches")
 
@@ -93,10 +95,13 @@ class LineChecker:
             raise LineError("invalid_line", f"unknown field(s) in the line: {', '.join(unknown)}", unknown[0])
         try:
             parsed = parse_request(self.endpoint, body, strict=True, param_prefix="body.")
-            decoded, field = decoding_format(parsed.request)
+            check_row(parsed)
+            decoded, field = decoding_format(engine_request(parsed).request)
             if self.check_grammar is not None and grammar_kind(decoded) is not None:
                 self.check_grammar(decoded, f"body.{field}")
         except ApiError as error:
+            if self.endpoint == RESPONSES:
+                error = renamed(error)  # a grammar refused as the chat request's: named as this body's field
             raise LineError(error.code, error.message, error.param) from None
         model = None
         if self.endpoint != PROBE_SCORE:

@@ -10,5 +10,9 @@ class FilesAppConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
+        from files_app.models import files_stored_bytes
+        from projects_app.models import register_stored_bytes
+
+        register_stored_bytes(files_stored_bytes)  # the file_bytes quota counts stored files
         # Uploads stream into this folder; it must exist before the first one arrives.
         Path(settings.FILE_UPLOAD_TEMP_DIR).mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from django.utils import timezone
 from files_app.shapes import FileObject
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
-from projects_app.models import OwnedQuerySet, quota_exceeded
+from projects_app.models import OwnedQuerySet, quota_exceeded, stored_bytes
 from millm_lib.pagination import cursor_page
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,17 @@ FILE_QUOTA_USE = Coalesce(Sum("bytes"), 0)
 
 
 def over_file_quota(project, adding):
-    """429 quota_exceeded when `adding` more bytes would pass `project`'s file_bytes quota, else None."""
+    """429 quota_exceeded when `adding` more bytes would pass `project`'s file_bytes quota (every
+    app's stored bytes: files, stored responses), else None."""
     if project is None or project.limit("file_bytes") is None:
         return None
-    return quota_exceeded(project, "file_bytes", File.objects.filter(project=project).stored_bytes(), adding)
+    return quota_exceeded(project, "file_bytes", stored_bytes([project.pk])[project.pk], adding)
+
+
+def files_stored_bytes(project_ids):
+    """{project id: its stored files' bytes}: files_app's reader of the file_bytes quota."""
+    files = File.objects.stored().filter(project__in=project_ids).order_by().values_list("project")
+    return dict(files.annotate(stored=FILE_QUOTA_USE))
 
 
 class File(models.Model):

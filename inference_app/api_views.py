@@ -42,7 +42,7 @@ from inference_app.shapes import (
     SavedCheckpoint,
     WeightsState,
 )
-from inference_app.views import LEASE_HEADER_DOC
+from inference_app.headers import LEASE_HEADER_DOC
 
 LEASED = (LEASE_HEADER_DOC,)
 

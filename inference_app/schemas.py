@@ -298,6 +298,13 @@ SCHEMAS = {
 }
 
 
+def register_schema(endpoint, schema):
+    """Another app's endpoint parsed by `parse_request` (responses_app registers /v1/responses at
+    ready): its schema may define `check_request(param_prefix)`, called after the common checks."""
+    SCHEMAS[endpoint] = schema
+    _union_tags.cache_clear()
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     endpoint: str
@@ -355,6 +362,8 @@ def parse_request(endpoint, body, strict, param_prefix=""):
         check_tools(request, param_prefix)
     _check_scoring(request, param_prefix)
     _check_consistency(request, param_prefix)
+    if hasattr(request, "check_request"):
+        request.check_request(param_prefix)
     unused = _unused_fields(schema, body, [])
     if unused and strict:
         first = ".".join(str(part) for part in unused[0])
@@ -463,11 +472,22 @@ def _strip_union_tags(loc):
         if isinstance(part, str) and not part.isidentifier():
             tagged = True  # "list[TextPart]", "function-after[...]"
             continue
-        if isinstance(part, str) and part in ("str", "int", "float", "bool", "list", "dict", "TextPart", "NamedToolChoice"):
+        if isinstance(part, str) and part in _union_tags():
             tagged = True
             continue
         path.append(part)
     return tuple(path), tagged
+
+
+@functools.cache
+def _union_tags():
+    """The names pydantic tags a union member's errors with: builtins and our schemas' classes."""
+    names, pending = {"str", "int", "float", "bool", "list", "dict"}, [Schema]
+    while pending:
+        cls = pending.pop()
+        names.add(cls.__name__)
+        pending.extend(cls.__subclasses__())
+    return frozenset(names)
 
 
 def _reason(item):

@@ -17,7 +17,8 @@ from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.models import Engine, Lease
 from millm_lib.jsonbody import decode_json
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS
-from millm_lib.openapi import JSON, Op, documented, header, sse
+from millm_lib.openapi import JSON, Op, documented, sse
+from inference_app.headers import GENERATION_HEADERS
 from inference_app.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,16 +39,6 @@ from inference_app.shapes import (
     ModelObject,
 )
 
-STRICT_HEADER_DOC = header(
-    "X-miLLM-Strict", {"type": "string", "enum": ["true", "false", "1", "0"]},
-    "Strict mode refuses unused fields (unused_fields_refused); case-insensitive",
-)
-LOAD_POLICY_HEADER_DOC = header(
-    "X-miLLM-Load-Policy", {"type": "string", "enum": ["auto", "refuse"]},
-    "refuse: 409 model_not_resident instead of loading the model",
-)
-LEASE_HEADER_DOC = header(LEASE_HEADER, {"type": "string"}, "A lease id: act despite your own lease")
-GENERATION_HEADERS = (STRICT_HEADER_DOC, LOAD_POLICY_HEADER_DOC, LEASE_HEADER_DOC)
 
 
 async def _infer(request, endpoint):

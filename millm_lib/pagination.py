@@ -33,8 +33,13 @@ def list_page(shape, data, has_more):
     )
 
 
+def _query(request):
+    """A DRF request's query_params, or a plain Django request's GET."""
+    return getattr(request, "query_params", None) or request.GET
+
+
 def query_int(request, name, default, low, high):
-    raw = request.query_params.get(name)
+    raw = _query(request).get(name)
     if raw is None or raw == "":
         return default
     try:
@@ -47,7 +52,7 @@ def query_int(request, name, default, low, high):
 
 
 def query_choice(request, name, default, choices):
-    raw = request.query_params.get(name) or default
+    raw = _query(request).get(name) or default
     if raw not in choices:
         raise ApiError(400, "invalid_parameter", f"Invalid value for '{name}': one of {', '.join(choices)}, got {raw!r}", param=name)
     return raw

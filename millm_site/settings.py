@@ -33,6 +33,7 @@ INSTALLED_APPS = [
     "files_app",
     "batches_app",
     "webhooks_app",
+    "responses_app",
 ]
 
 MIDDLEWARE = [
@@ -206,6 +207,8 @@ BATCH_FILE_RETENTION_DAYS = envint("BATCH_FILE_RETENTION_DAYS", 30, minimum=1)
 BATCH_RETENTION_INTERVAL_S = envint("BATCH_RETENTION_INTERVAL_S", 3600, minimum=1)
 # Ended batches and their rows are deleted this long after they end (default: the files' retention).
 BATCH_RETENTION_DAYS = envint("BATCH_RETENTION_DAYS", BATCH_FILE_RETENTION_DAYS, minimum=1)
+# Stored responses (POST /v1/responses with store) are deleted this long after they were made.
+RESPONSES_RETENTION_DAYS = envint("RESPONSES_RETENTION_DAYS", 30, minimum=1)
 BATCH_WAIT_POLL_S = envfloat("BATCH_WAIT_POLL_S", 5.0, minimum=0.05)
 # Tests only: pause between a chunk's forward pass and its record, so a test can kill the
 # engine mid-chunk.

@@ -11,4 +11,5 @@ urlpatterns = [
     path("", include("files_app.urls")),
     path("", include("batches_app.urls")),
     path("", include("webhooks_app.urls")),
+    path("", include("responses_app.urls")),
 ]

@@ -26,6 +26,25 @@ QUOTAS = {  # quota name: (the Project field that overrides it, the setting that
 }
 
 
+# Each app's reader of its stored bytes, which the `file_bytes` quota counts together: a reader
+# takes project ids and answers {project id: bytes} (files_app's files, responses_app's responses).
+stored_bytes_readers = []
+
+
+def register_stored_bytes(reader):
+    if reader not in stored_bytes_readers:
+        stored_bytes_readers.append(reader)
+
+
+def stored_bytes(project_ids):
+    """{project id: the bytes every app stores for it} (the `file_bytes` quota's use)."""
+    total = dict.fromkeys(project_ids, 0)
+    for reader in stored_bytes_readers:
+        for pk, size in reader(project_ids).items():
+            total[pk] = total.get(pk, 0) + size
+    return total
+
+
 class ProjectQuerySet(models.QuerySet):
     def default(self):
         """The project of MILLM_API_KEYS' keys and of the open server."""

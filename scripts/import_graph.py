@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("millm_lib", "projects_app", "files_app", "inference_app", "webhooks_app", "batches_app", "millm_site")
+PACKAGES = ("millm_lib", "projects_app", "files_app", "inference_app", "webhooks_app", "responses_app", "batches_app",
+            "millm_site")
 
 
 def imported_packages(path):

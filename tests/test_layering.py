@@ -12,7 +12,7 @@ _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" 
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-APPS = ("projects_app", "files_app", "inference_app", "webhooks_app", "batches_app")
+APPS = ("projects_app", "files_app", "inference_app", "webhooks_app", "responses_app", "batches_app")
 
 
 def test_the_shared_package_imports_no_app_and_files_import_only_it_and_projects():
@@ -235,6 +235,7 @@ PUBLIC = {
     "files_app": {"models", "uploads", "retention"},
     "inference_app": {
         "models", "schemas", "structured", "tools", "catalogue", "gateway", "leases", "events", "backlog",
+        "headers", "provenance",  # the generation routes' documented request headers; the provenance headers
         "engine.policy",  # the scheduling policy, read by the runner and the batch models
         "engine.rows",  # the engine's one call for a chunk of rows (and a row's grammar, at validation)
         "engine.seating",  # Seating: the one interface to the model
@@ -242,6 +243,7 @@ PUBLIC = {
         "engine.packing", "engine.services",  # a row's measured length and kind, for chunk picking
     },
     "webhooks_app": {"models", "courier"},
+    "responses_app": {"models", "requests", "rows"},  # rows: /v1/responses as a batch endpoint
     "batches_app": {"models", "events", "routing"},
     "millm_site": set(),
 }

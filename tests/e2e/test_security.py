@@ -42,6 +42,7 @@ PLACEHOLDERS = {
     "probe_id": "probe_placeholder",
     "pk": "placeholder_id",
     "batch_id": "batch_" + "0" * 24,
+    "response_id": "resp_" + "0" * 24,
 }
 STAFF = ("operator", "staff-pass-5521")
 NOT_STAFF = ("visitor", "visitor-pass-8812")

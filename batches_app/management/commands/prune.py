@@ -13,5 +13,6 @@ class Command(BaseCommand):
         outcome = run_retention()
         self.stdout.write(
             f"expired {len(outcome['expired'])} file(s), swept {len(outcome['swept'])} orphan(s), "
-            f"deleted {outcome['batches_deleted']} batch(es) in {outcome['seconds']} s"
+            f"deleted {outcome['batches_deleted']} batch(es) and {outcome['responses_deleted']} stored response(s) "
+            f"in {outcome['seconds']} s"
         )
