@@ -42,12 +42,12 @@ Status = Literal["in_progress", "completed", "incomplete"]
 # --- input items ---
 
 
-class InputText(Schema):
+class InputTextPart(Schema):
     type: Literal["input_text"]
     text: StrictStr
 
 
-class OutputText(Schema):
+class OutputTextPart(Schema):
     """An earlier answer's text, sent back as input (`response.output` echoed by the SDK)."""
     type: Literal["output_text"]
     text: StrictStr
@@ -55,7 +55,7 @@ class OutputText(Schema):
     logprobs: list[Any] | None = None
 
 
-class Refusal(Schema):
+class RefusalPart(Schema):
     type: Literal["refusal"]
     refusal: StrictStr
 
@@ -65,7 +65,7 @@ class UnservedPart(Schema):
     type: Literal["input_image", "input_file", "input_audio"]
 
 
-Part = Union[InputText, OutputText, Refusal, UnservedPart]
+Part = Union[InputTextPart, OutputTextPart, RefusalPart, UnservedPart]
 
 
 class MessageItem(Schema):
@@ -100,7 +100,7 @@ class FunctionCallOutputItem(Schema):
     """What the caller's function returned for `call_id`."""
     type: Literal["function_call_output"]
     call_id: NonEmptyStr
-    output: Union[StrictStr, Annotated[list[InputText], Field(min_length=1)]]
+    output: Union[StrictStr, Annotated[list[InputTextPart], Field(min_length=1)]]
     id: ItemId | None = None
     status: Status | None = None
 
@@ -232,7 +232,7 @@ class ResponseRequest(Schema):
                 if isinstance(part, UnservedPart):
                     raise ApiError(400, "field_not_honoured", f"Invalid value for '{param}.type': this model reads "
                                    f"text only, not {part.type}", param=f"{param}.type")
-                if isinstance(part, (OutputText, Refusal)) and item.role != "assistant":
+                if isinstance(part, (OutputTextPart, RefusalPart)) and item.role != "assistant":
                     raise ApiError(400, "invalid_parameter", f"Invalid value for '{param}.type': {part.type} is an "
                                    f"assistant's part, in a {item.role} message", param=f"{param}.type")
 

@@ -29,13 +29,15 @@ LIMITS = {"BATCH_MAX_LINE_BYTES": MAX_LINE, "BATCH_MAX_ROWS": MAX_ROWS, "BATCH_M
 FIFTY_MB = 50 * 1024 * 1024
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+RESPONSES = "/v1/responses"
 FILES, BATCHES = "/v1/files", "/v1/batches"
 MODEL = f"/api/models/{MODEL_ID}"
 USER = [{"role": "user", "content": "hi"}]
 FILE_ID = "FILE_ID"  # replaced by the id of a real batch input file uploaded before the corpus
 ANY = object()  # the case does not pin the param
 STORED_TABLES = ["files_app_file", "files_app_idempotencykey", "batches_app_batch", "batches_app_batchrow",
-                 "inference_app_probe", "inference_app_modelentry", "inference_app_lease"]
+                 "inference_app_probe", "inference_app_modelentry", "inference_app_lease",
+                 "responses_app_storedresponse"]
 
 
 def chat(**fields):
@@ -48,6 +50,10 @@ def completion(**fields):
 
 def embedding(**fields):
     return json.dumps({"model": MODEL_ID, "input": "hi", **fields})
+
+
+def respond(**fields):
+    return json.dumps({"model": MODEL_ID, "input": "hi", "max_output_tokens": 2, **fields})
 
 
 def batch(**fields):
@@ -198,6 +204,39 @@ CORPUS = [
       "../../etc/passwd"),
     C("model: a NUL in the id", "GET", "/v1/models/tiny%00llama", None, 400, "invalid_parameter", "path", "NUL"),
     C("model: DELETE", "DELETE", f"/v1/models/{MODEL_ID}", None, 405, "method_not_allowed", None, "GET"),
+    # --- /v1/responses ---
+    C("responses: truncated JSON", "POST", RESPONSES, '{"model": "tiny-llama", "input": "hel', 400, "invalid_json", None,
+      "not valid JSON"),
+    C("responses: U+0000 in the input", "POST", RESPONSES, respond(input="a\u0000b"), 400, "invalid_json", "input", "U+0000"),
+    C("responses: a lone surrogate in an item", "POST", RESPONSES,
+      respond(input=[{"role": "user", "content": "hi"}]).replace('"hi"', '"\\ud800"'), 400, "invalid_json",
+      "input.0.content", "surrogate"),
+    C("responses: input a number", "POST", RESPONSES, respond(input=5), 400, "invalid_parameter", "input"),
+    C("responses: an item without a role", "POST", RESPONSES, respond(input=[{"content": "x"}]), 400, "invalid_parameter",
+      ANY),
+    C("responses: a text part that is a number", "POST", RESPONSES,
+      respond(input=[{"role": "user", "content": [{"type": "input_text", "text": 5}]}]), 400, "invalid_parameter",
+      "input.0.content.0.text"),
+    C("responses: 900 levels of nesting in input", "POST", RESPONSES, respond(input=[]).replace("[]", "[" * 900 + "]" * 900),
+      400, "invalid_json", ANY, "nested more than 64 levels"),
+    C("responses: max_output_tokens 1e308", "POST", RESPONSES, respond(max_output_tokens=1e308), 400, "invalid_parameter",
+      "max_output_tokens"),
+    C("responses: an audio part", "POST", RESPONSES,
+      respond(input=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]),
+      400, "field_not_honoured", "input.0.content.0.type", "text only"),
+    C("responses: a file search tool", "POST", RESPONSES, respond(tools=[{"type": "file_search"}]), 400,
+      "field_not_honoured", "tools.0.type", "file_search"),
+    C("responses: metadata of 17 keys", "POST", RESPONSES, respond(metadata={f"k{i}": "v" for i in range(17)}), 400,
+      "invalid_parameter", "metadata"),
+    C("responses: an unknown previous_response_id", "POST", RESPONSES,
+      respond(previous_response_id="resp_' OR 1=1 --"), 404, "response_not_found", "previous_response_id"),
+    C("responses: an id that is SQL", "GET", RESPONSES + "/resp_' OR 1=1 --", None, 404, "response_not_found",
+      "response_id"),
+    C("responses: DELETE an unknown id", "DELETE", RESPONSES + "/resp_" + "0" * 24, None, 404, "response_not_found",
+      "response_id"),
+    C("responses: PUT", "PUT", RESPONSES + "/resp_" + "0" * 24, None, 405, "method_not_allowed", None, "GET"),
+    C("responses: input items of an unknown id", "GET", RESPONSES + "/resp_x/input_items", None, 404,
+      "response_not_found", "response_id"),
     # --- /v1/files ---
     C("files: multipart without a file", "POST", FILES, multipart(PURPOSE), 400, "invalid_batch_request", "file",
       "'file'", content_type=MULTIPART),
@@ -423,7 +462,7 @@ def assert_envelope(response, path, status, code, param=ANY, says=()):
 def test_the_corpus_covers_every_route_with_at_least_60_cases():
     assert len(CORPUS) >= 60
     assert len({case.name for case in CORPUS}) == len(CORPUS)
-    for route in (CHAT, COMPLETIONS, EMBEDDINGS, "/v1/models/", FILES, "/content", BATCHES, "/cancel", "/api/models",
+    for route in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, "/input_items", "/v1/models/", FILES, "/content", BATCHES, "/cancel", "/api/models",
                   "/load", "/unload", "/lease", "/lease/renew", "/weights/begin", "/weights", "/weights/commit", "/save",
                   "/api/probes", "/api/probes/score"):
         assert any(route in case.path for case in CORPUS), route

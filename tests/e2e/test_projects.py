@@ -24,9 +24,10 @@ from tests.e2e.test_security import http_routes
 COMPLETIONS = "/v1/completions"
 METHODS = ["GET", "POST", "DELETE"]
 UNKNOWN = {"file": "file-" + "0" * 24, "batch": "batch_" + "0" * 24, "probe": "probe_" + "0" * 24,
-           "endpoint": "whep_" + "0" * 24}
+           "endpoint": "whep_" + "0" * 24, "response": "resp_" + "0" * 24}
 # Which kind of id each path parameter of an owned route takes, by the route's family.
-FAMILIES = {"v1/files": "file", "v1/batches": "batch", "api/probes": "probe", "v1/webhook_endpoints": "endpoint"}
+FAMILIES = {"v1/files": "file", "v1/batches": "batch", "api/probes": "probe", "v1/webhook_endpoints": "endpoint",
+            "v1/responses": "response"}
 
 
 def create_key(stack, project, *flags):
@@ -68,11 +69,13 @@ def tenants(tmp_path_factory, test_model_dir):
             tenant.probe = probe.json()["data"]["id"]
             tenant.endpoint = tenant.client.webhooks.create(name=name, url="http://127.0.0.1:9/hook",
                                                              event_types=["batch.failed"]).id
+            tenant.response = tenant.client.responses.create(model=MODEL_ID, input=name, max_output_tokens=2).id
         yield stack
 
 
 def ids_of(tenant):
-    return {"file": tenant.file, "batch": tenant.batch.id, "probe": tenant.probe, "endpoint": tenant.endpoint}
+    return {"file": tenant.file, "batch": tenant.batch.id, "probe": tenant.probe, "endpoint": tenant.endpoint,
+            "response": tenant.response}
 
 
 def owned_routes():
@@ -136,6 +139,7 @@ def test_every_route_answers_another_projects_id_as_an_unknown_one(tenants):
     assert beta.client.batches.retrieve(beta.batch.id).status == "completed"
     assert beta.call("GET", f"/api/probes/{beta.probe}").status_code == 200
     assert beta.client.webhooks.retrieve(beta.endpoint).id == beta.endpoint
+    assert beta.client.responses.retrieve(beta.response).id == beta.response
 
 
 def test_ids_in_bodies_and_headers_answer_as_unknown_ones_too(tenants):
@@ -144,6 +148,11 @@ def test_ids_in_bodies_and_headers_answer_as_unknown_ones_too(tenants):
     other = alpha.call("POST", "/v1/batches", json={**create, "input_file_id": beta.file})
     unknown = alpha.call("POST", "/v1/batches", json={**create, "input_file_id": UNKNOWN["file"]})
     same_answer(other, unknown, beta.file, UNKNOWN["file"])
+
+    chained = {"model": MODEL_ID, "input": "more", "max_output_tokens": 2}
+    other = alpha.call("POST", "/v1/responses", json={**chained, "previous_response_id": beta.response})
+    unknown = alpha.call("POST", "/v1/responses", json={**chained, "previous_response_id": UNKNOWN["response"]})
+    same_answer(other, unknown, beta.response, UNKNOWN["response"])
 
     score = {"inputs": [{"text": "hello"}]}
     other = alpha.call("POST", "/api/probes/score", json={**score, "probe_ids": [beta.probe]})
@@ -242,6 +251,16 @@ def test_over_a_quota_the_sdk_raises_rate_limit_error_and_nothing_is_stored(tena
         assert refused.value.code == "quota_exceeded" and error["details"]["quota"] == "file_bytes"
         assert error["details"]["limit"] == 10 and error["details"]["current"] > 10
         assert tenants.sql("SELECT count(*) FROM files_app_file")[0][0] == before
+        # Stored responses count against the same stored-bytes quota; one not stored does not.
+        stored = tenants.sql("SELECT count(*), sum(bytes) FROM responses_app_storedresponse WHERE project_id = "
+                             "(SELECT id FROM projects_app_project WHERE name = 'alpha')")[0]
+        assert stored[0] == 1 and stored[1] > 0
+        with pytest.raises(openai.RateLimitError) as refused:
+            alpha.client.responses.create(model=MODEL_ID, input="more", max_output_tokens=2)
+        assert refused.value.body["details"]["current"] >= error["details"]["current"] > stored[1]
+        assert alpha.client.responses.create(model=MODEL_ID, input="more", max_output_tokens=2, store=False).store is False
+        assert tenants.sql("SELECT count(*) FROM responses_app_storedresponse WHERE project_id = "
+                           "(SELECT id FROM projects_app_project WHERE name = 'alpha')")[0][0] == 1
     finally:
         tenants.sql("UPDATE projects_app_project SET max_file_bytes = NULL WHERE name = 'alpha' RETURNING id")
     wait_until(lambda: alpha.client.files.create(file=("ok.jsonl", to_jsonl(scoring_lines(1, "ok"))), purpose="batch"), 5,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from tests.e2e.batch_helpers import read_jsonl, start_batch, wait_for
 from tests.e2e.batch_helpers import line as batch_line
 from tests.e2e.conftest import MODEL_ID
+from tests.e2e.metrics_helpers import scrape, value
 
 RESPONSES = "/v1/responses"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
@@ -22,7 +23,8 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The w
                 "parameters": WEATHER, "strict": True}
 
 
-def test_a_response_is_created_retrieved_and_deleted_and_store_false_keeps_nothing(client):
+def test_a_response_is_created_retrieved_and_deleted_and_store_false_keeps_nothing(stack, client):
+    before = scrape(stack)
     raw = client.responses.with_raw_response.create(model=MODEL_ID, input="Say something.", max_output_tokens=8,
                                                     metadata={"job": "one"}, extra_body={"seed": 3})
     response = raw.parse()
@@ -36,6 +38,8 @@ def test_a_response_is_created_retrieved_and_deleted_and_store_false_keeps_nothi
         assert response.incomplete_details.reason == "max_output_tokens"
     assert (response.metadata, response.store, response.max_output_tokens) == ({"job": "one"}, True, 8)
     assert raw.headers["X-miLLM-Model"] == MODEL_ID and raw.headers["X-miLLM-Seed"] == '3;scope="request"'
+    counted = value(scrape(stack), "millm_responses_total", status=response.status)
+    assert counted == value(before, "millm_responses_total", status=response.status) + 1  # /metrics counts by status
 
     assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
     items = list(client.responses.input_items.list(response.id))
