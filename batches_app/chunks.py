@@ -50,6 +50,11 @@ class PendingRow:
         return isinstance(self.parsed, ApiError)
 
     @property
+    def choices(self):
+        """The sequences the row decodes (its `n`): the seats it holds, seated."""
+        return 1 if self.refused else getattr(self.parsed.request, "n", 1)
+
+    @property
     def generates(self):
         """A chat or completion row that generates (not scoring), as the service functions
         decide (`logprobs: 0` is scoring in completions, not in chat): it runs alone, or seated.

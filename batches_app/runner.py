@@ -252,7 +252,7 @@ class BatchRunner:
         seating = self.worker.seating
         for pending in rows:
             self.seated[pending.row.pk] = asyncio.create_task(
-                seating.seated(batch.model, execute_rows, batch.endpoint, [pending])
+                seating.seated(batch.model, execute_rows, batch.endpoint, [pending], choices=pending.choices)
             )
         done, _ = await asyncio.wait(set(self.seated.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         results, not_run = [], []

@@ -1,8 +1,8 @@
 """The admission slot (SPEC sections 8 and 8a): one queue per engine, interactive before batch.
 
-The slot has `seats` (ENGINE_MAX_SEQUENCES). A *shared* holder is one generation sequence: it
-takes one seat, and the step scheduler decodes every shared holder's sequence in the same
-forward passes. An *exclusive* holder (a model swap, a weights edit, a scoring, embedding or
+The slot has `seats` (ENGINE_MAX_SEQUENCES). A *shared* holder is one generation request: it
+takes a seat per sequence (`n` choices take `n`, as the policy's `seats_taken` caps them), and
+the step scheduler decodes every shared holder's sequences in the same forward passes. An *exclusive* holder (a model swap, a weights edit, a scoring, embedding or
 probe request, a serial batch chunk) takes the whole model: it is granted when nothing else holds
 a seat, and nothing is granted while it holds.
 
@@ -52,7 +52,7 @@ class AdmissionSlot:
         self.exclusive = False
         self.shared_holding = 0
         self.background_shared = 0
-        self._interactive = deque()  # (future, shared)
+        self._interactive = deque()  # (future, seats: 0 for the whole model)
         self._background = deque()
         self._hold_seconds = deque(maxlen=HOLD_SAMPLES)
         # Interactive requests granted a seat, and the seconds they waited for it in all (for
@@ -92,17 +92,17 @@ class AdmissionSlot:
         return round(statistics.median(self._hold_seconds) * (self.waiting + self.holding) / self.slots, 3)
 
     @asynccontextmanager
-    async def hold(self, interactive=True, limited=True, shared=False):
-        await self.acquire(interactive, limited, shared)
+    async def hold(self, interactive=True, limited=True, shared=False, choices=1):
+        await self.acquire(interactive, limited, shared, choices)
         started = time.monotonic()
         try:
             yield
         finally:
-            self.release(interactive, time.monotonic() - started, shared)
+            self.release(interactive, time.monotonic() - started, shared, choices)
 
-    async def acquire(self, interactive=True, limited=True, shared=False):
-        """Wait for a seat (`shared`) or the whole model; raises QueueFull for an interactive
-        request over the limit.
+    async def acquire(self, interactive=True, limited=True, shared=False, choices=1):
+        """Wait for seats (`shared`: one per choice) or the whole model; raises QueueFull for an
+        interactive request over the limit (a request counts once, whatever its `choices`).
 
         limited=False is for the engine's own model swaps and weights edits: they queue with
         interactive requests but are never refused.
@@ -111,14 +111,15 @@ class AdmissionSlot:
             raise QueueFull(self.retry_after(), self.pending, self.pending_limit, self.max_pending, self.slots)
         counted = interactive and limited
         ahead = self.waiting if interactive else self.waiting + self.background_waiting
-        if not ahead and self._grantable(interactive, shared):
-            self._grant(interactive, shared)
+        seats = policy.seats_taken(choices, self.slots, interactive) if shared else 0
+        if not ahead and self._grantable(interactive, seats):
+            self._grant(interactive, seats)
             self.waits += counted
             return
         queued_at = time.monotonic()
         future = asyncio.get_running_loop().create_future()
         queue = self._interactive if interactive else self._background
-        queue.append((future, shared))
+        queue.append((future, seats))
         self.interactive_queued += interactive
         try:
             await future
@@ -127,8 +128,8 @@ class AdmissionSlot:
                 self.wait_seconds += time.monotonic() - queued_at
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
-                # Granted in the same loop turn as the cancel: hand the seat straight on.
-                self.release(interactive, None, shared)
+                # Granted in the same loop turn as the cancel: hand the seats straight on.
+                self.release(interactive, None, shared, choices)
             else:
                 future.cancel()
                 self._wake()  # it may have been the head of the line that held the others back
@@ -136,28 +137,30 @@ class AdmissionSlot:
         finally:
             self.interactive_queued -= interactive
 
-    def _grantable(self, interactive, shared):
-        if not shared:
+    def _grantable(self, interactive, seats):
+        """`seats` 0: the whole model; else that many seats."""
+        if not seats:
             return self.holding == 0
-        if self.exclusive or self.shared_holding >= self.slots:
+        if self.exclusive or self.shared_holding + seats > self.slots:
             return False
-        return interactive or self.background_shared < policy.batch_seats(self.slots)
+        return interactive or self.background_shared + seats <= policy.batch_seats(self.slots)
 
-    def _grant(self, interactive, shared):
+    def _grant(self, interactive, seats):
         self.holding += 1
         self.interactive_holding += interactive
-        if shared:
-            self.shared_holding += 1
-            self.background_shared += not interactive
+        if seats:
+            self.shared_holding += seats
+            self.background_shared += 0 if interactive else seats
         else:
             self.exclusive = True
 
-    def release(self, interactive, held_seconds, shared=False):
+    def release(self, interactive, held_seconds, shared=False, choices=1):
         self.holding -= 1
         self.interactive_holding -= interactive
         if shared:
-            self.shared_holding -= 1
-            self.background_shared -= not interactive
+            seats = policy.seats_taken(choices, self.slots, interactive)
+            self.shared_holding -= seats
+            self.background_shared -= 0 if interactive else seats
         else:
             self.exclusive = False
         if held_seconds is not None:
@@ -170,12 +173,12 @@ class AdmissionSlot:
         for interactive in policy.CLASSES_IN_ORDER:
             queue = self._interactive if interactive else self._background
             while queue:
-                future, shared = queue[0]
+                future, seats = queue[0]
                 if future.done():
                     queue.popleft()
                     continue
-                if not self._grantable(interactive, shared):
+                if not self._grantable(interactive, seats):
                     return
                 queue.popleft()
-                self._grant(interactive, shared)
+                self._grant(interactive, seats)
                 future.set_result(None)

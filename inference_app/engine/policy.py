@@ -39,6 +39,12 @@ def batch_seats(seats):
     return max(1, seats - 1)
 
 
+def seats_taken(choices, seats, interactive):
+    """The seats a generation request of `choices` sequences (`n`) holds: one per choice, at
+    most every seat (a chat) or every seat a batch may take (a row), so that it can be granted."""
+    return max(1, min(choices, seats if interactive else batch_seats(seats)))
+
+
 def lane_mode(setting, device_type):
     """ENGINE_BATCH_ROWS_BESIDE_CHATS: "decode" (batch rows share the chats' forward passes) or
     "pause" (they wait while a chat decodes). `auto`: pause on a CPU, where a wider step costs

@@ -53,21 +53,21 @@ class Seating:
         """`function(runtime, *args)` in the model thread, holding the whole model."""
         return await self.run(model_id, function, *args, interactive=interactive)
 
-    async def seated(self, model_id, function, *args, interactive=False):
-        """`function(seated runtime, *args)` in a service thread, holding one seat."""
-        return await self.run(model_id, function, *args, interactive=interactive, shared=True)
+    async def seated(self, model_id, function, *args, interactive=False, choices=1):
+        """`function(seated runtime, *args)` in a service thread, holding a seat per choice."""
+        return await self.run(model_id, function, *args, interactive=interactive, shared=True, choices=choices)
 
     async def run(self, model_id, function, *args, interactive=False, shared=False, cancelled=None, deadline=None,
-                  on_start=None):
+                  on_start=None, choices=1):
         """`function(runtime, *args)` holding the whole model (in the model thread) or, `shared`,
-        one seat (in a service thread, the runtime a SeatedRuntime that stops once `cancelled`
-        is set). An interactive hold counts against the pending limit (QueueFull). `deadline` (a
+        a seat per choice (`choices`: the request's `n`; in a service thread, the runtime a
+        SeatedRuntime that stops once `cancelled` is set). An interactive hold counts against the pending limit (QueueFull). `deadline` (a
         time.time()): TimeoutError if the hold is not granted by then. `on_start()` is called
         once the function is about to run. NOT_RUN (the hold given back at once) when the model is
         not resident with clean weights by the time the hold is granted."""
         cancelled = cancelled or threading.Event()
         async with asyncio.timeout(None if deadline is None else deadline - time.time()):
-            await self.slot.acquire(interactive, interactive, shared)
+            await self.slot.acquire(interactive, interactive, shared, choices)
         started = time.monotonic()
         ran = False
         try:
@@ -81,7 +81,7 @@ class Seating:
             ran = True
             return await self.in_thread(shared, function, runtime, *args, on_cancel=cancelled.set)
         finally:
-            self.slot.release(interactive, time.monotonic() - started if ran else None, shared)
+            self.slot.release(interactive, time.monotonic() - started if ran else None, shared, choices)
 
     def _runnable(self, model_id):
         runtime = self.residency.runtime

@@ -186,7 +186,8 @@ class Serving:
             flight.running = True
 
         return await self.worker.seating.run(wanted, *work, interactive=True, shared=shared,
-                                             cancelled=flight.cancelled, deadline=message["deadline"], on_start=started)
+                                             cancelled=flight.cancelled, deadline=message["deadline"], on_start=started,
+                                             choices=getattr(parsed.request, "n", 1))
 
     def _pump_stream(self, runtime, parsed, cancelled, reply, loop):
         """Runs in the model or a service thread: generate chunks and send each as it is made.

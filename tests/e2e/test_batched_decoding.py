@@ -18,6 +18,7 @@ from tests.e2e.metrics_helpers import scrape, value
 from tests.e2e.stack import Stack, wait_until
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 SEATS = 17  # 16 batch rows decode together and one seat stays free for a chat
 
 
@@ -88,6 +89,26 @@ def test_schema_rows_and_a_tool_row_answer_validly_one_at_a_time_and_seated(seat
         assert called["message"]["tool_calls"][0]["function"]["name"] == "weather"
         jsonschema.validate(json.loads(called["message"]["tool_calls"][0]["function"]["arguments"]), weather)
         assert output["tool"]["millm"]["headers"]["X-miLLM-Grammar"].startswith("tool_call;sha=")
+
+
+def test_responses_rows_with_a_text_format_answer_seated_as_one_at_a_time(seated):
+    # issue 30: a /v1/responses row runs as its chat request, seated under batched decoding too.
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6}}, "required": ["word"],
+              "additionalProperties": False}
+    text = {"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}
+    rows = [line(f"r-{n}", RESPONSES, {"model": MODEL_ID, "input": f"A word for {n}?", "max_output_tokens": 40,
+                                       "temperature": 0, "text": text}) for n in range(4)]
+    client, texts = seated.client, {}
+    for batched in (False, True):
+        batch = wait_for(client, start_batch(client, rows, RESPONSES, extra_body={"batched_decoding": batched}).id)
+        assert (batch.status, batch.request_counts.completed) == ("completed", 4), batched
+        output = answers(client, batch)
+        for custom_id, entry in output.items():
+            assert entry["body"]["object"] == "response"
+            jsonschema.validate(json.loads(entry["body"]["output"][0]["content"][0]["text"]), schema)
+            assert entry["millm"]["headers"]["X-miLLM-Grammar"].startswith("json_schema;sha=")
+        texts[batched] = {key: entry["body"]["output"][0]["content"][0]["text"] for key, entry in output.items()}
+    assert texts[True] == texts[False]  # greedy rows answer alike, seated or alone
 
 
 def test_a_chat_sent_while_16_rows_decode_streams_before_the_batch_ends(seated):
@@ -161,12 +182,15 @@ def test_max_tokens_and_stop_end_one_sequence_and_not_the_others(seated):
     assert full.choices[0].message.content == reference
 
 
-def test_a_client_that_leaves_frees_its_seat(seated):
-    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "long"}], "max_tokens": 900, "temperature": 0,
-            "stream": True}
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "long"}], "max_tokens": 900}),
+    ("/v1/responses", {"input": "long", "max_output_tokens": 900}),  # issue 30: its events, on the chat's stream
+])
+def test_a_client_that_leaves_frees_its_seat(seated, path, body):
+    body = {"model": MODEL_ID, "temperature": 0, "stream": True, **body}
     stopped = re.compile(r"stopped streaming: its caller left after (\d+) chunk")
     before = len(stopped.findall(seated.engine.log()))
-    with httpx.stream("POST", seated.web.url + "/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", seated.web.url + path, json=body, timeout=60) as response:
         next(row for row in response.iter_lines() if row.startswith("data: {"))
     # The stream was closed after its first chunk: the engine ends the sequence and frees the seat.
     wait_until(lambda: in_flight(seated) == 0, 30, "the seat of a client that left was never freed", seated.engine)

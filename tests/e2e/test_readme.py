@@ -67,6 +67,11 @@ def test_the_chat_scoring_probe_and_lease_examples_run_as_written(stack, tmp_pat
     called = run([sys.executable, "-c", for_the_test_server(tools_py, stack)], tmp_path).splitlines()
     assert called[0].startswith("GetWeather city=")
 
+    responses_py = examples("The Responses API", "python")[0]  # created, chained, listed, streamed, deleted
+    lines = run([sys.executable, "-c", for_the_test_server(responses_py, stack)], tmp_path).splitlines()
+    assert lines[0].startswith("resp_") and lines[0].split()[1] in ("completed", "incomplete")
+    assert lines[1].startswith("True ['message'")
+
     controlled_sh = examples("Endpoints", "sh", level="##")[0]  # the sampling controls
     controlled = json.loads(run(["bash", "-euo", "pipefail", "-c", for_the_test_server(controlled_sh, stack)], tmp_path))
     assert controlled["object"] == "text_completion" and controlled["usage"]["completion_tokens"] > 0

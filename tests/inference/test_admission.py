@@ -194,3 +194,47 @@ def test_interactive_waits_are_counted_with_their_seconds_and_nothing_else_is():
     slot = run(scenario())
     assert slot.waits == 2
     assert 0.2 <= slot.wait_seconds < 1.0
+
+
+def test_a_request_of_n_choices_holds_a_seat_per_choice():
+    # issue 29, point 4: each choice is its own sequence and takes a seat; the request counts once.
+    async def freed():
+        slot = AdmissionSlot(4, 10)
+        await slot.acquire(shared=True, choices=3)
+        assert (slot.shared_holding, slot.pending) == (3, 1)
+        late = asyncio.create_task(slot.acquire(shared=True, choices=2))
+        await asyncio.sleep(0)
+        assert not late.done() and slot.waiting == 1  # one seat is left: two do not fit
+        behind = asyncio.create_task(slot.acquire(shared=True))
+        await asyncio.sleep(0)
+        assert not behind.done()  # one seat would fit it, but arrival order holds
+        slot.release(True, 0.1, shared=True, choices=3)
+        await behind
+        await late
+        assert slot.shared_holding == 3
+        slot.release(True, 0.1, shared=True, choices=2)
+        slot.release(True, 0.1, shared=True)
+        return slot
+
+    assert run(freed()).shared_holding == 0
+
+
+def test_choices_beyond_the_seats_take_them_all_and_a_batch_row_never_the_last():
+    async def scenario():
+        slot = AdmissionSlot(3, 10)
+        await slot.acquire(shared=True, choices=8)  # n = 8 on 3 seats: all three, never refused
+        assert slot.shared_holding == 3
+        slot.release(True, 0.1, shared=True, choices=8)
+        await slot.acquire(interactive=False, shared=True, choices=8)  # a row: the batch's 2 seats at most
+        assert (slot.shared_holding, slot.background_shared) == (2, 2)
+        chat = asyncio.create_task(slot.acquire(shared=True))
+        await asyncio.sleep(0)
+        assert chat.done()  # the last seat stayed free for a chat
+        row = asyncio.create_task(slot.acquire(interactive=False, shared=True))
+        await asyncio.sleep(0)
+        assert not row.done()
+        slot.release(False, 0.1, shared=True, choices=8)
+        await row
+        return slot
+
+    assert run(scenario()).background_shared == 1
