@@ -139,7 +139,8 @@ class EventStream:
         return event
 
     def _snapshot(self, finish_reason=None, error=None):
-        self.response = response_object(self.request, self.response_id, self.model, self.output, self.usage,
+        # The output as it stands now: an event holds its own list, not the one that keeps growing.
+        self.response = response_object(self.request, self.response_id, self.model, list(self.output), self.usage,
                                          finish_reason, self.created_at, error)
         return self.response
 
@@ -228,6 +229,8 @@ class EventStream:
         return events + [self._event(kind, response=final)]
 
     def fail(self, error):
-        """A failure after the stream began: response.failed naming the error."""
-        failed = self._snapshot(error=ResponseError(code=error.code, message=error.message))
+        """A failure after the stream began: response.failed naming the error, with one of the
+        codes the Responses API defines (this server's own code leads the message)."""
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 else "invalid_prompt"
+        failed = self._snapshot(error=ResponseError(code=code, message=f"{error.code}: {error.message}"))
         return [self._event("response.failed", response=failed)]

@@ -208,7 +208,8 @@ class ResponseRequest(Schema):
     def check_request(self, prefix=""):
         for name, reason in REFUSED.items():
             if name in self.model_fields_set and getattr(self, name) not in (False, None):
-                raise ApiError(400, "field_not_honoured", f"'{name}' cannot be honoured: {reason}", param=prefix + name)
+                raise ApiError(400, "field_not_honoured", f"'{prefix}{name}' cannot be honoured: {reason}",
+                               param=prefix + name)
         for index, tool in enumerate(self.tools or ()):
             if isinstance(tool, BuiltInTool) and tool.type != "function":
                 raise ApiError(400, "field_not_honoured",
@@ -328,8 +329,8 @@ def _add_message(messages, item):
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant":  # one turn: its text, then its calls
+            last.setdefault("tool_calls", []).append(call)
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
