@@ -4,7 +4,7 @@ import json
 import time
 
 from django.conf import settings
-from django.http import HttpResponse, StreamingHttpResponse
+from django.http import HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -16,6 +16,7 @@ from inference_app.leases import LEASE_HEADER
 from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.models import Engine, Lease
 from millm_lib.jsonbody import decode_json
+from millm_lib.streaming import event_stream
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS
 from millm_lib.openapi import JSON, Op, documented, sse
 from inference_app.headers import GENERATION_HEADERS
@@ -52,12 +53,7 @@ async def _infer(request, endpoint):
     extra = {"load_policy": policy, "lease": request.headers.get(LEASE_HEADER), "project": gateway.caller(request)}
     if getattr(parsed.request, "stream", False):
         headers, messages = await gateway.open_stream(engine, endpoint, text, strict, request.request_id, extra)
-        response = StreamingHttpResponse(_sse(messages), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        for name, value in headers.items():
-            response[name] = value
-        return response
+        return event_stream(_sse(messages), headers)
     body, headers = await gateway.call(engine, endpoint, text, strict, request.request_id, extra)
     return json_response(body, headers=headers)
 

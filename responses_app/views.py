@@ -5,7 +5,6 @@ import json
 import time
 
 from asgiref.sync import sync_to_async
-from django.http import StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods, require_POST
 from prometheus_client import Counter
@@ -23,6 +22,7 @@ from millm_lib.jsonbody import decode_json
 from millm_lib.limits import CHAT, RESPONSES
 from millm_lib.openapi import JSON, Op, documented
 from millm_lib.pagination import list_page, query_choice, query_int
+from millm_lib.streaming import event_stream
 from projects_app.models import quota_exceeded, stored_bytes
 from responses_app.answers import EventStream, from_chat
 from responses_app.models import StoredResponse
@@ -70,12 +70,7 @@ async def create(request):
     headers = _headers(headers, parsed.ignored)
     if asked.stream:
         events = EventStream(asked, response_id, headers.get("X-miLLM-Model", asked.model))
-        response = StreamingHttpResponse(_stream(events, chunks, kept, project), content_type="text/event-stream")
-        response["Cache-Control"] = "no-cache"
-        response["X-Accel-Buffering"] = "no"
-        for name, value in headers.items():
-            response[name] = value
-        return response
+        return event_stream(_stream(events, chunks, kept, project), headers)
     answer = from_chat(asked, response_id, body, int(time.time()))
     await sync_to_async(_keep)(asked, answer, kept, project)
     return json_response(answer, headers=headers)

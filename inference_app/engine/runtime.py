@@ -152,7 +152,11 @@ class ResidentModel:
     def _sample(logits, temperature, top_p, generator):
         if temperature == 0 or top_p == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
+        # Shifted by the largest first, so a tiny temperature (1e-300 is valid, 0 as a float32)
+        # sends every other logit to -inf rather than the softmax to NaN (inf - inf), and the
+        # largest's own 0 / 0 is 0: the limit of a vanishing temperature, the largest logit(s).
+        shifted = logits - logits.max()
+        probs = torch.softmax(torch.where(shifted == 0, 0.0, shifted / temperature), dim=-1)
         if top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)

@@ -158,7 +158,7 @@ def test_create_refusals_name_their_field(stack, client):
     uploaded = client.files.create(file=("x.jsonl", to_jsonl([line("a", COMPLETIONS, {"model": MODEL_ID, "prompt": "x"})])), purpose="batch")
     cases = [
         ({"input_file_id": "file-none", "endpoint": COMPLETIONS, "completion_window": "24h"}, 404, "file_not_found", "input_file_id"),
-        ({"input_file_id": uploaded.id, "endpoint": "/v1/responses", "completion_window": "24h"}, 400, "invalid_batch_request", "endpoint"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/images/generations", "completion_window": "24h"}, 400, "invalid_batch_request", "endpoint"),
         ({"input_file_id": uploaded.id, "endpoint": COMPLETIONS, "completion_window": "169h"}, 400, "invalid_batch_request", "completion_window"),
         ({"input_file_id": uploaded.id, "endpoint": COMPLETIONS, "completion_window": "0h"}, 400, "invalid_batch_request", "completion_window"),
         ({"input_file_id": uploaded.id, "endpoint": COMPLETIONS, "completion_window": "24h", "metadata": {"k": 5}}, 400, "invalid_batch_request", "metadata"),

@@ -169,7 +169,7 @@ FUZZ_SETTINGS = settings(
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
 )
-INFERENCE = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"}
+INFERENCE = {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +196,13 @@ def steer(case):
     rng = random.Random(repr((case.path_parameters, case.body)))
     if case.operation.path in INFERENCE and isinstance(case.body, dict) and rng.random() < 0.5:
         case.body["model"] = MODEL_ID
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(case.body.get(name), int) and not isinstance(case.body[name], bool):
                 case.body[name] = min(case.body[name], 8)
         if case.operation.path == "/v1/chat/completions" and not {"max_tokens", "max_completion_tokens"} & set(case.body):
             case.body["max_tokens"] = 8  # the chat default is up to 512 tokens
+        if case.operation.path == "/v1/responses" and "max_output_tokens" not in case.body:
+            case.body["max_output_tokens"] = 8  # as chat's
     if case.method == "GET" and "model_id" in (case.path_parameters or {}) and rng.random() < 0.5:
         case.path_parameters["model_id"] = MODEL_ID
 
@@ -267,6 +269,14 @@ def test_answers_and_streams_match_the_schema(live_schema):
         assert call(live_schema, path, "POST", body=body).status_code == 200, (path, body)
     for path in ("/v1/models/{model_id}", "/api/models/{model_id}", "/api/models/{model_id}/lease"):
         assert call(live_schema, path, "GET", path_parameters={"model_id": MODEL_ID}).status_code == 200, path
+    # The Responses API (issue 30): its events (no [DONE]), a stored response, its input items.
+    asked = {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 4}
+    streamed = call(live_schema, "/v1/responses", "POST", body={**asked, "stream": True})
+    assert streamed.status_code == 200 and streamed.content.count(b"event: response.") >= 6
+    created = call(live_schema, "/v1/responses", "POST", body=asked)
+    stored = {"response_id": json.loads(created.content)["id"]}
+    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+        assert call(live_schema, path, "GET", path_parameters=stored).status_code == 200, path
 
 
 def test_what_the_fuzz_found_stays_fixed(live_schema):

@@ -111,3 +111,15 @@ def test_a_biased_token_outside_the_vocabulary_is_400_before_any_forward_pass(re
     with pytest.raises(ApiError) as caught:
         services.run(resident, parse_request(CHAT, body, strict=True))
     assert caught.value.param == "logit_bias" and str(resident.vocab_size) in caught.value.message
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30])
+def test_a_tiny_temperature_samples_the_largest_logit_instead_of_failing_on_nan(temperature):
+    # The fuzz found it (a /v1/responses body of temperature 5e-324): logits / temperature was
+    # inf - inf = NaN in the softmax, and the sequence failed. The limit is greedy decoding.
+    from inference_app.engine.runtime import ResidentModel
+
+    logits = torch.tensor([1.0, 3.5, -2.0, float("-inf"), 3.4])
+    generator = torch.Generator().manual_seed(0)
+    assert {ResidentModel._sample(logits, temperature, 1.0, generator) for _ in range(20)} == {1}
+    assert ResidentModel._sample(logits, temperature, 0.5, generator) == 1
