@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from millm_lib.errors import ApiError
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from inference_app.structured import check_response_format, grammar_kind
-from inference_app.tools import call_format, check_tools
+from inference_app.tools import call_format, check_tools, field_value
 
 SEED_MAX = 2**32 - 1
 # The sampling controls' limits, as OpenAI sets them (SPEC 4a).
@@ -66,6 +66,9 @@ class Schema(BaseModel):
     def nested_schemas(cls):
         """Keys whose value holds nested schemas: {key: Schema} (a dict, or a list of dicts)."""
         return {}
+
+    def check_request(self, param_prefix):
+        """A body's own checks beyond its schema, after the shared ones; none by default."""
 
 
 class TextPart(Schema):
@@ -356,14 +359,13 @@ def parse_request(endpoint, body, strict, param_prefix=""):
     except ValidationError as error:
         raise _invalid_parameter(error, param_prefix) from None
     _check_honoured(request, endpoint, param_prefix)
-    if getattr(request, "response_format", None) is not None:
+    if field_value(request, "response_format") is not None:
         check_response_format(request.response_format, param_prefix + "response_format")
     if isinstance(request, ChatCompletionRequest):
         check_tools(request, param_prefix)
     _check_scoring(request, param_prefix)
     _check_consistency(request, param_prefix)
-    if hasattr(request, "check_request"):
-        request.check_request(param_prefix)
+    request.check_request(param_prefix)
     unused = _unused_fields(schema, body, [])
     if unused and strict:
         first = ".".join(str(part) for part in unused[0])
