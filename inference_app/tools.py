@@ -21,7 +21,7 @@ This module imports neither torch nor the engine.
 import json
 import re
 
-from millm_lib.errors import ApiError
+from millm_lib.errors import invalid_value
 from millm_lib.ids import new_id
 from inference_app.structured import check_schema
 
@@ -39,32 +39,32 @@ def check_tools(request, prefix=""):
     """Refuse tools, a tool choice or tool messages that cannot be served, naming the field."""
     tools = request.tools or []
     if len(tools) > TOOLS_MAX:
-        raise _refusal(f"{prefix}tools", f"{len(tools)} tools, over the limit of {TOOLS_MAX}")
+        raise invalid_value(f"{prefix}tools", f"{len(tools)} tools, over the limit of {TOOLS_MAX}")
     names = set()
     for index, tool in enumerate(tools):
         function = tool.function
         if function.name in names:
-            raise _refusal(f"{prefix}tools.{index}.function.name", f"the name {function.name!r} is used by two tools")
+            raise invalid_value(f"{prefix}tools.{index}.function.name", f"the name {function.name!r} is used by two tools")
         names.add(function.name)
         if function.parameters is not None:
             check_schema(function.parameters, f"{prefix}tools.{index}.function.parameters", bool(function.strict))
     choice = request.tool_choice
     if choice not in (None, "none") and not tools:
-        raise _refusal(f"{prefix}tool_choice", f"{json.dumps(_plain(choice))[:80]} needs at least one tool in 'tools'")
+        raise invalid_value(f"{prefix}tool_choice", f"{json.dumps(_plain(choice))[:80]} needs at least one tool in 'tools'")
     named = forced_name(choice)
     if named is not None and named not in names:
-        raise _refusal(f"{prefix}tool_choice.function.name", f"{named!r} is not one of the tools ({', '.join(sorted(names))})")
+        raise invalid_value(f"{prefix}tool_choice.function.name", f"{named!r} is not one of the tools ({', '.join(sorted(names))})")
     for index, message in enumerate(request.messages):
         _check_message(message, f"{prefix}messages.{index}")
 
 
 def _check_message(message, path):
     if message.role == "tool" and not message.tool_call_id:
-        raise _refusal(f"{path}.tool_call_id", "a tool message names the call it answers (tool_call_id)")
+        raise invalid_value(f"{path}.tool_call_id", "a tool message names the call it answers (tool_call_id)")
     if message.tool_calls and message.role != "assistant":
-        raise _refusal(f"{path}.tool_calls", f"only an assistant message carries tool_calls, not a {message.role} message")
+        raise invalid_value(f"{path}.tool_calls", f"only an assistant message carries tool_calls, not a {message.role} message")
     if message.content is None and not (message.role == "assistant" and message.tool_calls):
-        raise _refusal(f"{path}.content", "content is required, except on an assistant message with tool_calls")
+        raise invalid_value(f"{path}.content", "content is required, except on an assistant message with tool_calls")
 
 
 def field_value(request, name):
@@ -334,7 +334,3 @@ def _is_json(text):
 
 def _plain(value):
     return value.model_dump() if hasattr(value, "model_dump") else value
-
-
-def _refusal(param, reason):
-    return ApiError(400, "invalid_request_error", f"Invalid value for '{param}': {reason}", param=param)

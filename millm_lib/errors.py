@@ -117,6 +117,11 @@ def internal_error():
     return ApiError(500, "server_error", "An internal server error occurred.")
 
 
+def invalid_value(param, reason):
+    """A request field whose value cannot be served (a schema, a tool, a grammar), named."""
+    return ApiError(400, "invalid_request_error", f"Invalid value for '{param}': {reason}", param=param)
+
+
 def not_found_route(method, path):
     return ApiError(404, "not_found", f"Unknown route: {method} {path}")
 

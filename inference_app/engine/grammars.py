@@ -17,7 +17,7 @@ import llguidance.hf
 import torch
 
 from inference_app.structured import grammar_kind, grammar_sha, schema_of
-from millm_lib.errors import ApiError
+from millm_lib.errors import invalid_value
 
 JSON_OPTIONS = {"whitespace_flexible": False}
 # Bit i of a mask word is token 32 * word + i; read a byte at a time (x86 and ARM are little-endian,
@@ -66,8 +66,7 @@ def compile_grammar(runtime, response_format, param="response_format"):
         problem = str(error)
     if problem:
         reason = " ".join(problem.split())[:300]  # llguidance's report spans lines
-        raise ApiError(400, "invalid_request_error", f"Invalid value for '{param}': the grammar cannot be built: {reason}",
-                       param=param)
+        raise invalid_value(param, f"the grammar cannot be built: {reason}")
     return grammar
 
 

@@ -191,13 +191,16 @@ def test_a_client_that_leaves_frees_its_seat(seated, path, body):
     stopped = re.compile(r"stopped streaming: its caller left after (\d+) chunk")
     before = len(stopped.findall(seated.engine.log()))
     with httpx.stream("POST", seated.web.url + path, json=body, timeout=60) as response:
-        next(row for row in response.iter_lines() if row.startswith("data: {"))
+        first = json.loads(next(row for row in response.iter_lines() if row.startswith("data: {")).removeprefix("data: "))
     # The stream was closed after its first chunk: the engine ends the sequence and frees the seat.
     wait_until(lambda: in_flight(seated) == 0, 30, "the seat of a client that left was never freed", seated.engine)
     # ... because the cancel reached the sequence, which stopped early (not at its 900th token).
     wait_until(lambda: len(stopped.findall(seated.engine.log())) == before + 1, 10,
                "the engine never stopped the stream of the client that left", seated.engine)
     assert int(stopped.findall(seated.engine.log())[-1]) < 300
+    if path == RESPONSES:  # the README: a response whose client left is not stored
+        assert first["type"] == "response.created"
+        assert httpx.get(f"{seated.web.url}{RESPONSES}/{first['response']['id']}").status_code == 404
 
 
 def test_queue_full_with_retry_after_still_holds(tmp_path_factory, test_model_dir):
