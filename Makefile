@@ -12,7 +12,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: install install-extras db run web engine test chromium bench
+.PHONY: install install-extras bytecode db run web engine test chromium bench
 install: $(STAMP)
 install-extras: $(EXTRAS_STAMP)
 
@@ -30,21 +30,29 @@ $(EXTRAS_STAMP): $(STAMP)
 	rm -f $(VENV)/.installed-extras-*
 	touch $@
 
+# The code's bytecode, written once for every process to read (web, engine, and the many that
+# the tests start): a machine that sets PYTHONDONTWRITEBYTECODE never writes it, so each process
+# compiled the whole server again (an engine became active 1.1 s sooner of 8.8). Quick when
+# nothing changed (it compares timestamps); an edited module is compiled again, never read stale.
+CODE := millm_lib millm_site projects_app inference_app files_app webhooks_app batches_app responses_app manage.py
+bytecode: install
+	$(PY) -m compileall -q $(CODE) > /dev/null
+
 db: install
 	$(PY) manage.py ensuredb
 	$(PY) manage.py migrate --noinput
 
 # bin/run creates and migrates the database itself, after starting any server that is missing.
-run: install
+run: install bytecode
 	bin/run
 
-web: db
+web: db bytecode
 	$(VENV)/bin/uvicorn millm_site.asgi:application --host $(HOST) --port $(PORT) --lifespan off
 
-engine: db
+engine: db bytecode
 	$(PY) manage.py runbatchworker
 
-test: install-extras chromium
+test: install-extras chromium bytecode
 	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark part (about 30 minutes on 2 cores); it rewrites the README's results table and

@@ -1,7 +1,10 @@
 """The benchmarks keep working: every part runs at a tiny size on the tiny model, with real
-processes, and reports its figures and goals (not a timing test: no figure is asserted fast)."""
+processes, and reports its figures and goals (not a timing test: no figure is asserted fast).
+The parts that start servers of their own run with `-m slow`."""
 
 import json
+
+import pytest
 
 from bench import __main__ as suite
 from bench import packing
@@ -9,18 +12,32 @@ from bench.common import first_difference
 from bench.peers import WORK
 
 
-def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(test_model_dir):
-    summary = suite.main(["--quick"])
-    assert list(summary["parts"]) == suite.PARTS
+# The parts that start servers of their own (concurrency: two stacks and llama.cpp; replicas: two
+# stacks; peers: a stack and llama.cpp) took two thirds of the quick run: they run with `-m slow`.
+# The rest share one tiny stack (or none) and run in `make test`.
+OWN_SERVERS = ["concurrency", "replicas", "peers"]
+SHARED = [part for part in suite.PARTS if part not in OWN_SERVERS]
+
+
+def run_quick(parts):
+    """`python -m bench --quick PART...`: every part's figures, each check beside its goal, and
+    the table with a row per check and per part."""
+    summary = suite.main(["--quick", *parts])
+    assert list(summary["parts"]) == parts
     for part, figures in summary["parts"].items():
         assert figures["checks"], part
         for item in figures["checks"]:
             assert set(item) == {"figure", "value", "goal", "met"}, part
     table = suite.render(summary)
     checks = sum(len(f["checks"]) for f in summary["parts"].values())
-    assert table.count("\n| ") == checks + 1 + 1 + len(suite.PARTS)  # two headers, a row per check and per part
-    assert (suite.RESULTS / "packing.png").stat().st_size > 1000  # the chart, off the README in --quick
+    assert table.count("\n| ") == checks + 1 + 1 + len(parts)  # two headers, a row per check and per part
     assert json.loads((suite.RESULTS / "summary.json").read_text())["quick"] is True
+    return summary
+
+
+def test_every_part_on_the_shared_stack_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(test_model_dir):
+    summary = run_quick(SHARED)
+    assert (suite.RESULTS / "packing.png").stat().st_size > 1000  # the chart, off the README in --quick
     memory = summary["parts"]["memory"]
     assert memory["uvicorn_growth_mb"] >= 0 and memory["engine_growth_mb"] >= 0
     generation = summary["parts"]["generation"]
@@ -29,6 +46,11 @@ def test_every_part_runs_at_a_tiny_size_and_reports_each_figure_beside_its_goal(
     # float32 and greedy: every batched row is the serial row, token for token (README, "Batched decoding").
     assert generation["rows_marked_batched"] == 4
     assert generation["same_text_rows"] == 4 and generation["first_differing_token"] == {}
+
+
+@pytest.mark.slow
+def test_the_parts_with_servers_of_their_own_run_at_a_tiny_size_and_report_each_figure_beside_its_goal(test_model_dir):
+    summary = run_quick(OWN_SERVERS)
     concurrency = summary["parts"]["concurrency"]
     servers = ["miserver", "serial"] + (["llamacpp"] if concurrency["llamacpp_server"]["available"] else [])
     for server in servers:
