@@ -21,7 +21,7 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_app.catalogue import ModelSource
-from inference_app.engine import attention, quantized
+from inference_app.engine import attention, gguf_reading, quantized
 from inference_app.models import ModelEntry
 
 log = logging.getLogger(__name__)
@@ -100,20 +100,21 @@ def load_model(source, device=None, dtype=None, weights=None):
     dtype = dtype or pick_dtype(device)
     weights = weights or pick_weights(device)
     started = time.monotonic()
-    if source.format == ModelEntry.Format.GGUF:
-        folder, revision = _gguf_cache(source)
-    else:
-        folder, revision = source.path, _folder_revision(source.path)
-    log.info("loading %s from %s (%s, %s)", source.model_id, folder, device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    model.to(device)
-    model.eval()
-    attends = attention.use_for(model, device, dtype)
-    form = "dense"
-    if source.format == ModelEntry.Format.GGUF and weights != "dense":
-        packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
-        form = packing.label
+    with gguf_reading.read_once():
+        if source.format == ModelEntry.Format.GGUF:
+            folder, revision = _gguf_cache(source)
+        else:
+            folder, revision = source.path, _folder_revision(source.path)
+        log.info("loading %s from %s (%s, %s)", source.model_id, folder, device, dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model.to(device)
+        model.eval()
+        attends = attention.use_for(model, device, dtype)
+        form = "dense"
+        if source.format == ModelEntry.Format.GGUF and weights != "dense":
+            packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
+            form = packing.label
     log.info("loaded %s in %.1f s (%s, %s weights, %s attention)", source.model_id, time.monotonic() - started,
              str(dtype).removeprefix("torch."), form, attends)
     return LoadedModel(source, model, tokenizer, device, dtype, revision, form)

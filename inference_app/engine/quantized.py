@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 import safetensors
 import safetensors.numpy
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, get_tensor_name_map
+import gguf
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def file_tensors(path, cache=None):
         with safetensors.safe_open(str(cache), "np") as handle:
             kinds = handle.metadata()
             return {name: (GGMLQuantizationType[kinds[name]], handle.get_tensor(name)) for name in handle.keys()}
-    reader = GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(path))  # looked up here: gguf_reading.read_once() may share one
     tensors = {t.name: (t.tensor_type, np.asarray(t.data)) for t in reader.tensors if t.tensor_type in PACKABLE}
     if cache is not None:
         staging = cache.with_name(f".{cache.name}.{os.getpid()}")
@@ -193,7 +194,7 @@ def gguf_names(model, tensors):
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == model.config.model_type), None)
     if arch is None:
         return {}
-    name_map = get_tensor_name_map(arch, model.config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
     names = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):

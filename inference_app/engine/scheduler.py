@@ -367,10 +367,12 @@ class StepScheduler:
         if not finished:
             return
         lane.decoder.drop(finished)
-        self._end_abandoned([lane.live[row] for row in finished])
+        ended = [lane.live[row] for row in finished]
+        # Out of the lane before their ends are sent: a consumer that sees its end finds it gone.
         lane.live = [sequence for row, sequence in enumerate(lane.live) if row not in set(finished)]
         if not lane.live:
             lane.capacity = None  # the device has all its memory back: try full width again
+        self._end_abandoned(ended)
 
 
 @torch.inference_mode()

@@ -49,6 +49,52 @@ def every_line_once(client, batch, count, prefix="row"):
     return output, errors
 
 
+# First of the module: its follower's long poll stays open in web until the server's next ping
+# (up to 25 s after the follower left), and the tests after it outlast that, so the stack stops
+# without waiting for it.
+def test_socketio_clients_see_every_stage_and_may_follow_one_batch(slow):
+    import asyncio
+
+    import socketio
+
+    async def scenario():
+        everything, followed = [], []
+        watcher, follower = socketio.AsyncClient(), socketio.AsyncClient()
+        done = asyncio.Event()
+
+        @watcher.on("batch:progress")
+        async def on_all(data):
+            everything.append(data)  # filtered by id afterwards: the create's event may come first
+            if data["status"] == "completed":
+                done.set()
+
+        @follower.on("batch:progress")
+        async def on_one(data):
+            followed.append(data)
+
+        await watcher.connect(slow.web.url, transports=["websocket"])
+        batch = await asyncio.to_thread(start_batch, slow.client, scoring_lines(24, "sio"), COMPLETIONS)
+        while not any(state["id"] == batch.id and state["request_counts"]["completed"] >= 8 for state in everything):
+            await asyncio.sleep(0.05)
+        await follower.connect(slow.web.url, transports=["polling"])
+        assert (await follower.call("join", batch.id, timeout=10))["ok"] is True
+        await asyncio.wait_for(done.wait(), 60)
+        await asyncio.sleep(0.3)
+        await watcher.disconnect()
+        # A polling client's disconnect waits for its open long poll, which python-engineio
+        # answers only at its next ping (25 s): the follower sends its close and leaves at once.
+        await follower.eio.disconnect(abort=True)
+        return [state for state in everything if state["id"] == batch.id], followed
+
+    everything, followed = asyncio.run(scenario())
+    statuses = [state["status"] for state in everything]
+    assert statuses[0] == "validating" and statuses[-1] == "completed"
+    assert [s for s in ["validating", "in_progress", "finalizing", "completed"] if s in statuses] == [
+        "validating", "in_progress", "finalizing", "completed"]
+    assert followed[0]["status"] == "in_progress" and followed[0]["request_counts"]["completed"] >= 8  # state first
+    assert followed[-1]["status"] == "completed" and {state["id"] for state in followed} == {everything[0]["id"]}
+
+
 def test_a_kill_mid_chunk_loses_nothing_and_runs_no_recorded_row_again(slow):
     client = slow.client
     batch = start_batch(client, scoring_lines(40), COMPLETIONS)
@@ -292,47 +338,6 @@ def test_websocket_clients_see_every_stage_in_order_and_late_joiners_the_current
     progress = [state["request_counts"]["completed"] for state in seen if state["status"] == "in_progress"]
     assert len(progress) >= 3 and progress == sorted(progress)  # chunk progress, one event per chunk
     assert seen[-1]["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
-
-
-def test_socketio_clients_see_every_stage_and_may_follow_one_batch(slow):
-    import asyncio
-
-    import socketio
-
-    async def scenario():
-        everything, followed = [], []
-        watcher, follower = socketio.AsyncClient(), socketio.AsyncClient()
-        done = asyncio.Event()
-
-        @watcher.on("batch:progress")
-        async def on_all(data):
-            everything.append(data)  # filtered by id afterwards: the create's event may come first
-            if data["status"] == "completed":
-                done.set()
-
-        @follower.on("batch:progress")
-        async def on_one(data):
-            followed.append(data)
-
-        await watcher.connect(slow.web.url, transports=["websocket"])
-        batch = await asyncio.to_thread(start_batch, slow.client, scoring_lines(24, "sio"), COMPLETIONS)
-        while not any(state["id"] == batch.id and state["request_counts"]["completed"] >= 8 for state in everything):
-            await asyncio.sleep(0.05)
-        await follower.connect(slow.web.url, transports=["polling"])
-        assert (await follower.call("join", batch.id, timeout=10))["ok"] is True
-        await asyncio.wait_for(done.wait(), 60)
-        await asyncio.sleep(0.3)
-        await watcher.disconnect()
-        await follower.disconnect()
-        return [state for state in everything if state["id"] == batch.id], followed
-
-    everything, followed = asyncio.run(scenario())
-    statuses = [state["status"] for state in everything]
-    assert statuses[0] == "validating" and statuses[-1] == "completed"
-    assert [s for s in ["validating", "in_progress", "finalizing", "completed"] if s in statuses] == [
-        "validating", "in_progress", "finalizing", "completed"]
-    assert followed[0]["status"] == "in_progress" and followed[0]["request_counts"]["completed"] >= 8  # state first
-    assert followed[-1]["status"] == "completed" and {state["id"] for state in followed} == {everything[0]["id"]}
 
 
 def test_with_keys_set_websocket_and_socketio_refuse_a_client_without_one(slow):

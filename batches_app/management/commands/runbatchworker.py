@@ -2,6 +2,8 @@
 batch runner, the webhook courier, and the housekeeping beside them (retention of files and ended batches)."""
 
 import logging
+import os
+import sys
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
@@ -25,4 +27,16 @@ class Command(BaseCommand):
         from webhooks_app.courier import WebhookCourier
 
         jobs = [("retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
-        Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner, WebhookCourier]).run()
+        try:
+            Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner, WebhookCourier]).run()
+        except SystemExit as leaving:  # another engine took the model's lock (worker.LOST_LOCK_EXIT)
+            status = leaving.code
+        else:
+            status = 0
+        # The engine has stopped and said so (its row is gone, its seats ended, what it recorded
+        # committed). The interpreter's own teardown of torch and the model would take a second
+        # more of every stop and restart; nothing is left for it to do.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
