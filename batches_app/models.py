@@ -598,11 +598,16 @@ class BatchRowQuerySet(models.QuerySet):
         instance and adapting each of its fields took three quarters of a 50,000-line
         validation (bench/FINDINGS.md)."""
         pending, invalid = BatchRow.Outcome.PENDING, BatchRow.Outcome.INVALID
-        statement = f"COPY {BatchRow._meta.db_table} (batch_id, line, custom_id, body, outcome, error, packed, batched) FROM STDIN"
+        given = ["batch_id", "line", "custom_id", "body", "outcome", "error"]
+        # Every other field with a default (packed, batched) as a new instance has it; the rest NULL.
+        defaulted = [field for field in BatchRow._meta.concrete_fields if field.has_default() and field.column not in given]
+        defaults = tuple(field.get_default() for field in defaulted)
+        columns = ", ".join(given + [field.column for field in defaulted])
+        statement = f"COPY {BatchRow._meta.db_table} ({columns}) FROM STDIN"
         with connections[self.db].cursor() as cursor, cursor.copy(statement) as copy:
             for line, custom_id, body, error in rows:
                 copy.write_row((batch.pk, line, custom_id, None if body is None else Jsonb(body),
-                                pending if error is None else invalid, None if error is None else Jsonb(error), False, False))
+                                pending if error is None else invalid, None if error is None else Jsonb(error), *defaults))
 
     def unrecorded(self):
         return self.filter(outcome=BatchRow.Outcome.PENDING).order_by("line")

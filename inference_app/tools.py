@@ -70,8 +70,8 @@ def _check_message(message, path):
 def field_value(request, name):
     """The value of a request body's field `name`, or None where its kind of body has no such
     field (pydantic keeps a model's field values in its `__dict__`). A getattr with a default
-    costs a raised and caught error in pydantic's fallback for extra keys: 8 µs a miss, a fifth
-    of a batch line's validation."""
+    costs a raised and caught error in pydantic's fallback for extra keys: 8 µs a miss, five
+    misses a completions line, about two fifths of its validation (98 µs a line, then 55 µs)."""
     return vars(request).get(name)
 
 
