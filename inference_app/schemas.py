@@ -17,6 +17,7 @@ from django.conf import settings
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from millm_lib.errors import ApiError
+from millm_lib.ids import MODEL_ID_MAX_LENGTH
 from millm_lib.limits import CHAT, COMPLETIONS, EMBEDDINGS, PROBE_SCORE
 from inference_app.structured import check_response_format, grammar_kind
 from inference_app.tools import call_format, check_tools, field_value
@@ -287,7 +288,7 @@ class LeaseRequest(ManagementSchema):
 
 class ModelRegistration(ManagementSchema):
     source: NonEmptyStr
-    id: Annotated[StrictStr, Field(min_length=1, max_length=255)] | None = None
+    id: Annotated[StrictStr, Field(min_length=1, max_length=MODEL_ID_MAX_LENGTH)] | None = None
 
 
 class LoadRequest(ManagementSchema):

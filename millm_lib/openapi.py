@@ -29,6 +29,7 @@ from drf_spectacular.views import SpectacularJSONAPIView
 from pydantic import TypeAdapter
 from typing_extensions import is_typeddict
 
+from millm_lib.ids import path_id_schema
 from millm_lib.shapes import ManagementError, OpenAIError, Shape
 
 REF = "#/components/schemas/{model}"
@@ -69,7 +70,7 @@ class ShapeExtension(OpenApiSerializerExtension):
 
 IDEMPOTENCY_HEADER = OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
                                       description="The same key answers the first object again for 24 hours")
-PATH_ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
+PATH_ID = OpenApiParameter("id", path_id_schema("id"), OpenApiParameter.PATH)
 
 
 def drf_errors():
@@ -174,7 +175,7 @@ class Components:
 
 def _operation(path, method, view, op, components):
     parameters = [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+        {"name": name, "in": "path", "required": True, "schema": path_id_schema(name)}
         for name in re.findall(r"{([^}]+)}", path)
     ] + [dict(header) for header in op.headers]
     responses = {}

@@ -133,6 +133,19 @@ def test_the_request_bodies_are_the_pydantic_models_the_views_validate_with(gene
     assert components["EmbeddingRequest"]["properties"]["dimensions"]["type"] == "null"
 
 
+def test_every_path_id_documents_how_long_an_id_can_be(generated):
+    """A path's ids say their longest (an id column's length; a catalogue id's 255), so that a
+    client and the fuzz know it, DRF's routes and the plain ones alike."""
+    lengths = {}
+    for path, item in generated["paths"].items():
+        for method, operation in item.items():
+            for parameter in operation.get("parameters", []) if method in HTTP_METHODS else []:
+                if parameter["in"] == "path":
+                    assert parameter["schema"]["type"] == "string" and parameter["schema"]["minLength"] == 1
+                    lengths.setdefault(parameter["name"], set()).add(parameter["schema"]["maxLength"])
+    assert lengths == {"id": {40}, "probe_id": {40}, "response_id": {40}, "model_id": {255}}
+
+
 @pytest.mark.django_db
 def test_the_schema_needs_a_key_when_keys_are_set_like_every_route_but_health(generated):
     assert generated["components"]["securitySchemes"]["bearer"] == {
