@@ -71,7 +71,7 @@ def sizes(part, quick, tiny):
     return {
         "pipeline": ["--rows", "8", "--repeats", "1", *model],
         "overhead": ["--rows", "40", "--sample", "8", *model],
-        "interactive": ["--requests", "3", "--batch-rows", "400", "--max-tokens", "2", *model],
+        "interactive": ["--requests", "3", "--batch-rows", "400", "--max-tokens", "2", "--rate-seconds", "0.5", *model],
         "interactive-batched": ["--requests", "3", "--batch-rows", "1000", "--max-tokens", "2", "--batch-max-tokens", "8",
                                 "--batched-decoding", *model],
         "roundtrip": ["--requests", "25", *model],

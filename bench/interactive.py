@@ -2,6 +2,7 @@
 Goal: p99 during a batch no more than the idle p99 plus one chunk's duration.
 
     python -m bench.interactive [--requests 40] [--batch-rows 2000] [--model PATH] [--batched-decoding]
+                                [--rate-seconds 3]
 
 One chunk's duration is measured on the running batch itself, before the chat requests start:
 its rows per second, times BATCH_CHUNK_ROWS.
@@ -26,6 +27,7 @@ def main(argv=None, running=None):
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the packaged SmolLM2)")
     parser.add_argument("--batched-decoding", action="store_true", help="a batched_decoding generation batch")
     parser.add_argument("--batch-max-tokens", type=int, default=64, help="each generation row's, with --batched-decoding")
+    parser.add_argument("--rate-seconds", type=float, default=3.0, help="how long the scoring batch's rate is measured")
     args = parser.parse_args(argv)
 
     from bench.common import (
@@ -71,7 +73,7 @@ def main(argv=None, running=None):
             time.sleep(0.05)
         first, started = rows_done(client, batch["id"]), time.perf_counter()
         if not args.batched_decoding:  # scoring: the rate (and so one chunk's time) before the chats
-            time.sleep(3)
+            time.sleep(args.rate_seconds)
             rate = (rows_done(client, batch["id"]) - first) / (time.perf_counter() - started)
         busy = chat_latencies(client, model_id)
         if args.batched_decoding:  # 64-token rows end many at a time: the rate while the chats ran
