@@ -113,9 +113,9 @@ class Worker:
     # --- the loop ---
 
     def run(self):
+        """Serve until stopped; the process's exit status: 0, or LOST_LOCK_EXIT."""
         asyncio.run(self.serve())
-        if self.presence.lost_lock:
-            raise SystemExit(LOST_LOCK_EXIT)
+        return LOST_LOCK_EXIT if self.presence.lost_lock else 0
 
     async def serve(self):
         """1. Register as a standby and start the heartbeat.
