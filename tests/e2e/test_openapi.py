@@ -146,6 +146,19 @@ def test_every_path_id_documents_how_long_an_id_can_be(generated):
     assert lengths == {"id": {40}, "probe_id": {40}, "response_id": {40}, "model_id": {255}}
 
 
+def test_the_documented_lengths_are_the_id_columns_lengths():
+    from batches_app.models import Batch
+    from files_app.models import File
+    from inference_app.models import ModelEntry, Probe
+    from millm_lib import ids
+    from responses_app.models import StoredResponse
+    from webhooks_app.models import WebhookEndpoint
+
+    for model in (Batch, File, Probe, StoredResponse, WebhookEndpoint):  # the objects a path's id names
+        assert model._meta.pk.max_length == ids.MAX_LENGTH, model
+    assert ModelEntry._meta.pk.max_length == ids.MODEL_ID_MAX_LENGTH
+
+
 @pytest.mark.django_db
 def test_the_schema_needs_a_key_when_keys_are_set_like_every_route_but_health(generated):
     assert generated["components"]["securitySchemes"]["bearer"] == {
