@@ -107,7 +107,7 @@ class Worker:
 
     def unregister(self):
         close_old_connections()
-        self.residency.unload_resident("the engine stopped")
+        self.residency.unload_resident("the engine stopped", collect=False)  # the process ends next
         self.presence.unregister()
 
     # --- the loop ---
