@@ -136,13 +136,12 @@ def test_the_request_bodies_are_the_pydantic_models_the_views_validate_with(gene
 def test_every_path_id_documents_how_long_an_id_can_be(generated):
     """A path's ids say their longest (an id column's length; a catalogue id's 255), so that a
     client and the fuzz know it, DRF's routes and the plain ones alike."""
+    in_paths = [parameter for item in generated["paths"].values() for method, operation in item.items()
+                if method in HTTP_METHODS for parameter in operation.get("parameters", []) if parameter["in"] == "path"]
     lengths = {}
-    for path, item in generated["paths"].items():
-        for method, operation in item.items():
-            for parameter in operation.get("parameters", []) if method in HTTP_METHODS else []:
-                if parameter["in"] == "path":
-                    assert parameter["schema"]["type"] == "string" and parameter["schema"]["minLength"] == 1
-                    lengths.setdefault(parameter["name"], set()).add(parameter["schema"]["maxLength"])
+    for parameter in in_paths:
+        assert parameter["schema"]["type"] == "string" and parameter["schema"]["minLength"] == 1
+        lengths.setdefault(parameter["name"], set()).add(parameter["schema"]["maxLength"])
     assert lengths == {"id": {40}, "probe_id": {40}, "response_id": {40}, "model_id": {255}}
 
 
