@@ -1,17 +1,25 @@
-"""A GGUF's 4- and 8-bit tensors kept packed, run through torch's int4 CPU kernel (SPEC 7a).
+"""A GGUF's 4-, 5- and 8-bit tensors kept packed, run through torch's int4 CPU kernel (SPEC 7a).
 
 The loader de-quantizes every tensor into the dense model (the conversion cache); this module
-then reads the file's own blocks again and packs each Q4_0, Q4_1 and Q8_0 projection for
+then reads the file's own blocks again and packs each projection of a PACKABLE type for
 `torch.ops.aten._weight_int4pack_mm_for_cpu`, which computes with the weight
 `(q - 8) * scale + zero` per group of 32 inputs:
 
 - Q4_1 (`w = q·d + m`): scale d, zero m + 8·d.
 - Q4_0 (`w = (q - 8)·d`): scale d, zero 0.
+- Q4_K (`w = d·sc_j·q - dmin·m_j` in sub-block j of 32 of a 256-weight super-block, sc_j and
+  m_j 6-bit): scale d·sc_j, zero 8·d·sc_j - dmin·m_j.
 - Q8_0 (`w = q·d`, q in -128..127): two 4-bit halves of q + 128 = 16·hi + lo, summed:
   hi with scale 16·d and zero 0, lo with scale d and zero 8·d.
+- Q5_0 (`w = (q - 16)·d`, q in 0..31) and Q5_K (`w = d·sc_j·q - dmin·m_j`): two halves of
+  q = 16·hi + lo, hi (0 or 1) with scale 16·D and zero 128·D (its value 16·D·hi), lo with
+  scale D and zero -8·d (Q5_0) or 8·D - dmin·m_j (Q5_K), where D is d or d·sc_j.
+
+Q6_K stays dense: its sub-blocks have 16 weights, and the kernel takes groups of 32, 64, 128
+or 256 only. The start-up line names the types that stay dense for want of a kernel.
 
 So the packed product uses the file's de-quantized values, to the bfloat16 rounding of the
-scales and of the kernel's activations. Before a projection is packed, its blocks (in the row
+scales and of the kernel's activations (a two-half kind calls the kernel twice). Before a projection is packed, its blocks (in the row
 order the dense weight has: transformers permutes a llama's q and k rows) are checked against
 the dense weight the loader made; a tensor that does not match stays dense.
 
@@ -33,12 +41,19 @@ import torch.nn.functional as F
 import safetensors
 import safetensors.numpy
 import gguf
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+from inference_app.engine import gguf_reading
 
 log = logging.getLogger(__name__)
 
 GROUP = 32
-PACKABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+PACKABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
+            GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q8_0}
+# A block cache's metadata key for the PACKABLE set it was written for: a cache from before a
+# type became packable lacks that type's blocks, and is read again from the file.
+CACHE_KINDS = "millm-packable"
 # The widths at which `auto` times the kernel against the dense matmul, for each shape.
 MEASURED_WIDTHS = (1, 2, 4, 8, 16)
 # The kernel must take at most this share of the dense matmul's time to be chosen: near a tie
@@ -48,50 +63,130 @@ CLEAR_WIN = 0.9
 
 @dataclass
 class Int4Half:
-    """One packed operand: q in 0..15 [out, in], scale and zero [out, in / 32], float32."""
+    """One packed operand: q in 0..15 [out, in] uint8 (the kernel's int32 only while packing:
+    a quarter of the bytes while a load holds every projection's parts), scale and zero
+    [out, in / 32] float32."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
 
     def dequantized(self):
+        """(q - 8)·scale + zero in float32, one rounding per operation. In place: Gemma's head
+        is 168M weights, and a fresh tensor per operation cost seconds of page faults."""
         groups = self.q.shape[1] // GROUP
-        q = self.q.reshape(self.q.shape[0], groups, GROUP).float()
-        return ((q - 8) * self.scale[..., None] + self.zero[..., None]).reshape(self.q.shape)
+        weight = self.q.reshape(self.q.shape[0], groups, GROUP).float()
+        return weight.sub_(8).mul_(self.scale[..., None]).add_(self.zero[..., None]).reshape(self.q.shape)
 
 
 def halves(kind, blocks):
-    """The int4 halves of a tensor from its GGUF blocks ([out, in / 32 * block bytes] uint8)."""
-    rows = blocks.shape[0]
+    """The int4 halves of a tensor from its GGUF blocks ([out, in / block size * block bytes]
+    uint8): one for a 4-bit kind, two for a 5- or 8-bit one."""
     kind = GGMLQuantizationType(kind)
-    if kind == GGMLQuantizationType.Q8_0:
-        blocks = blocks.reshape(rows, -1, 34)
-        d = _fp16(blocks[..., :2])
-        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # 0..255
-        hi, lo = (q >> 4).reshape(rows, -1), (q & 15).reshape(rows, -1)
-        return [Int4Half(_int(hi), 16 * d, torch.zeros_like(d)), Int4Half(_int(lo), d, 8 * d)]
-    size = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}[kind]
-    blocks = blocks.reshape(rows, -1, size)
+    _, block_bytes = GGML_QUANT_SIZES[kind]
+    return HALVES[kind](blocks.reshape(blocks.shape[0], -1, block_bytes))
+
+
+def _q4_0(blocks):
     d = _fp16(blocks[..., :2])
-    nibbles = blocks[..., size - 16:]
-    # ggml's order: element j of a block is byte j's low nibble, element j + 16 its high one.
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
-    if kind == GGMLQuantizationType.Q4_0:
-        return [Int4Half(_int(q), d, torch.zeros_like(d))]
-    m = _fp16(blocks[..., 2:4])
-    return [Int4Half(_int(q), d, m + 8 * d)]
+    return [Int4Half(_q(_nibbles(blocks[..., 2:])), d, torch.zeros_like(d))]
+
+
+def _q4_1(blocks):
+    d, m = _fp16(blocks[..., :2]), _fp16(blocks[..., 2:4])
+    return [Int4Half(_q(_nibbles(blocks[..., 4:])), d, m + 8 * d)]
+
+
+def _q8_0(blocks):
+    d = _fp16(blocks[..., :2])
+    q = blocks[..., 2:] ^ np.uint8(128)  # the int8 q + 128 (0..255): its sign bit flipped
+    rows = blocks.shape[0]
+    hi, lo = (q >> 4).reshape(rows, -1), (q & 15).reshape(rows, -1)
+    return [Int4Half(_q(hi), 16 * d, torch.zeros_like(d)), Int4Half(_q(lo), d, 8 * d)]
+
+
+def _q5_0(blocks):
+    """hi's zero 128·d makes its value 16·d·hi, lo's zero -8·d makes its (lo - 16)·d: both
+    zeros are the scale times a power of two, so the kernel's bfloat16 rounding of them is the
+    rounding of d itself, as for Q4_0 and Q8_0."""
+    d = _fp16(blocks[..., :2])
+    # ggml's order: bit j of the little-endian 32-bit qh is element j's fifth bit.
+    hi = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little").reshape(blocks.shape[0], -1)
+    return _five_bits(hi, _nibbles(blocks[..., 6:]), d, -8 * d)
+
+
+def _q4_k(blocks):
+    """Exactly gguf's value wherever the zero 8·d·sc_j - dmin·m_j is itself a float32 (d and
+    dmin of like size: all 737280 of the Gemma file's are): the kernel's form adds it to the
+    exact (q - 8)·d·sc_j, gguf subtracts dmin·m_j from the exact q·d·sc_j, one rounding each."""
+    scale, minimum = _k_scales(blocks)
+    return [Int4Half(_q(_k_nibbles(blocks[..., 16:])), scale, 8 * scale - minimum)]
+
+
+def _q5_k(blocks):
+    scale, minimum = _k_scales(blocks)
+    # Bit j of qh's byte i is the fifth bit of element i of sub-block j.
+    qh = blocks[..., 16:48]
+    hi = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return _five_bits(hi.reshape(blocks.shape[0], -1), _k_nibbles(blocks[..., 48:]), scale, 8 * scale - minimum)
+
+
+def _five_bits(hi, lo, scale, lo_zero):
+    """q = 16·hi + lo as two halves: hi (0 or 1) worth 16·scale·hi, lo with its own zero."""
+    return [Int4Half(_q(hi), 16 * scale, 128 * scale), Int4Half(_q(lo), scale, lo_zero)]
+
+
+def _nibbles(nibbles):
+    """[out, blocks, 16] bytes -> [out, in]: ggml's order in a 32-weight block, element j is
+    byte j's low nibble, element j + 16 its high one."""
+    return np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(nibbles.shape[0], -1)
+
+
+def _k_nibbles(nibbles):
+    """[out, super-blocks, 128] bytes -> [out, in]: a K-quant's 32 bytes of each pair of
+    sub-blocks hold sub-block 2c in their low nibbles and sub-block 2c + 1 in their high ones."""
+    pairs = nibbles.reshape(*nibbles.shape[:2], 4, 1, 32)
+    return np.concatenate([pairs & 15, pairs >> 4], axis=-2).reshape(nibbles.shape[0], -1)
+
+
+def _k_scales(blocks):
+    """The per-32 scale d·sc_j and minimum dmin·m_j [out, in / 32] of Q4_K and Q5_K super-blocks
+    (d, dmin fp16, then 12 bytes of 6-bit sc and m, unpacked by gguf's own code). Products of
+    an fp16 and a 6-bit integer: exact in float32, as gguf's de-quantizer has them."""
+    rows, count = blocks.shape[:2]
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    d, dmin = _fp16(blocks[..., :2]), _fp16(blocks[..., 2:4])
+    scale = d[..., None] * torch.from_numpy(sc.astype(np.float32)).reshape(rows, count, 8)
+    minimum = dmin[..., None] * torch.from_numpy(m.astype(np.float32)).reshape(rows, count, 8)
+    return scale.reshape(rows, -1), minimum.reshape(rows, -1)
+
+
+HALVES = {GGMLQuantizationType.Q4_0: _q4_0, GGMLQuantizationType.Q4_1: _q4_1, GGMLQuantizationType.Q4_K: _q4_k,
+          GGMLQuantizationType.Q5_0: _q5_0, GGMLQuantizationType.Q5_K: _q5_k, GGMLQuantizationType.Q8_0: _q8_0}
 
 
 def dequantized(parts):
-    return sum(part.dequantized() for part in parts)
+    """The parts' sum: the halves' values added in float32, in their order."""
+    total = parts[0].dequantized()
+    for part in parts[1:]:
+        total += part.dequantized()
+    return total
 
 
 def _fp16(two_bytes):
     return torch.from_numpy(np.ascontiguousarray(two_bytes).view(np.float16)[..., 0].astype(np.float32))
 
 
-def _int(array):
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+def _q(array):
+    """uint8: the bytes a 4-bit value needs until the kernel's packing."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.uint8))
+
+
+def _int4pack(q, rows=8192):
+    """The kernel's packed form of q, a block of rows at a time (rows pack independently; the
+    int32 the packing wants is 670 MB for Gemma's head)."""
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[start:start + rows].int(), 1)
+                      for start in range(0, q.shape[0], rows)])
 
 
 class PackedLinear(torch.nn.Module):
@@ -105,7 +200,7 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.max_rows = max_rows
         self.packs = [
-            (torch.ops.aten._convert_weight_to_int4pack_for_cpu(part.q, 1),
+            (_int4pack(part.q),
              torch.stack([part.scale.t(), part.zero.t()], dim=-1).to(torch.bfloat16).contiguous())
             for part in parts
         ]
@@ -152,6 +247,7 @@ class Packing:
     packed_bytes: int
     dense_bytes: int
     widths: dict  # (kind, out, in) -> largest width run packed (0: dense)
+    no_kernel: dict = None  # type name -> projections of that type, which run dense
 
     @property
     def label(self):
@@ -160,8 +256,12 @@ class Packing:
     def describe(self):
         shapes = ", ".join(f"{kind} {rows}x{cols}: {_width_words(width)}"
                            for (kind, rows, cols), width in sorted(self.widths.items()))
-        return (f"{self.packed} of {self.candidates} packable projections packed ({shapes}); "
-                f"{self.packed_bytes / 2**20:.1f} MiB packed beside {self.dense_bytes / 2**20:.1f} MiB dense")
+        words = (f"{self.packed} of {self.candidates} packable projections packed ({shapes}); "
+                 f"{self.packed_bytes / 2**20:.1f} MiB packed beside {self.dense_bytes / 2**20:.1f} MiB dense")
+        if self.no_kernel:
+            kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(self.no_kernel.items()))
+            words += f"; dense for want of a kernel: {kinds}"
+        return words
 
 
 def _width_words(width):
@@ -171,45 +271,77 @@ def _width_words(width):
 
 
 def file_tensors(path, cache=None):
-    """{GGUF tensor name: (type, blocks)} for the packable tensors of a GGUF file. Reading a
+    """{GGUF tensor name: (type, blocks)} for every tensor of a GGUF file, blocks None where the
+    type is not packable (such a projection is named as dense for want of a kernel). Reading a
     GGUF's header walks every tokenizer string (seconds): with `cache` (a safetensors path) the
-    blocks are read from there, written on the first call."""
-    if cache is not None and cache.exists():
-        with safetensors.safe_open(str(cache), "np") as handle:
-            kinds = handle.metadata()
-            return {name: (GGMLQuantizationType[kinds[name]], handle.get_tensor(name)) for name in handle.keys()}
+    blocks are read from there, written on the first call and again when PACKABLE has grown."""
+    tensors = _cached_tensors(cache) if cache is not None else None
+    if tensors is not None:
+        return tensors
     reader = gguf.GGUFReader(str(path))  # looked up here: gguf_reading.read_once() may share one
-    tensors = {t.name: (t.tensor_type, np.asarray(t.data)) for t in reader.tensors if t.tensor_type in PACKABLE}
+    tensors = {t.name: (GGMLQuantizationType(t.tensor_type), np.asarray(t.data) if t.tensor_type in PACKABLE else None)
+               for t in reader.tensors}
     if cache is not None:
-        staging = cache.with_name(f".{cache.name}.{os.getpid()}")
-        safetensors.numpy.save_file({name: blocks for name, (_, blocks) in tensors.items()}, str(staging),
-                                    metadata={name: GGMLQuantizationType(kind).name for name, (kind, _) in tensors.items()})
-        os.replace(staging, cache)  # whole or not at all
+        write_blocks(cache, tensors)
     return tensors
 
 
+def write_blocks(cache, tensors):
+    """Write {name: (type, blocks or None)} as a block cache: the packable blocks as tensors,
+    every tensor's type and the PACKABLE set in the metadata; whole or not at all."""
+    staging = cache.with_name(f".{cache.name}.{os.getpid()}")
+    metadata = {name: GGMLQuantizationType(kind).name for name, (kind, _) in tensors.items()}
+    metadata[CACHE_KINDS] = _kinds_key()
+    safetensors.numpy.save_file({name: blocks for name, (_, blocks) in tensors.items() if blocks is not None},
+                                str(staging), metadata=metadata)
+    os.replace(staging, cache)
+
+
+def _cached_tensors(cache):
+    """The block cache's tensors, or None where there is none or it was written for another
+    PACKABLE set (a cache from before Q4_K and Q5_0 were packable holds only Q4_0, Q4_1 and
+    Q8_0 blocks: read as it is, Gemma's Q5_0 projections would have stayed dense unnamed)."""
+    if not cache.exists():
+        return None
+    with safetensors.safe_open(str(cache), "np") as handle:
+        kinds = dict(handle.metadata() or {})
+        if kinds.pop(CACHE_KINDS, None) != _kinds_key():
+            return None
+        stored = set(handle.keys())
+        return {name: (GGMLQuantizationType[kind], handle.get_tensor(name) if name in stored else None)
+                for name, kind in kinds.items()}
+
+
+def _kinds_key():
+    return ",".join(sorted(kind.name for kind in PACKABLE))
+
+
 def gguf_names(model, tensors):
-    """{transformers module name: GGUF tensor name in `tensors`} for the model's linear weights
-    (gguf's own name map, as transformers' GGUF loader uses it)."""
-    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == model.config.model_type), None)
-    if arch is None:
+    """{transformers module name: GGUF tensor name in `tensors`} for the model's linear weights,
+    by the map transformers' own GGUF loader converted the file with. That map knows where a
+    transformers model type and gguf's architecture names differ (Gemma 3's `gemma3_text` is
+    gguf's `gemma3`): a lookup of the model type in gguf's MODEL_ARCH_NAMES found no
+    architecture for Gemma 3, and nothing was packed ("0 of 0")."""
+    try:
+        with gguf_reading.read_once():  # it builds gguf's name map once per module otherwise (2 s)
+            to_model = get_gguf_hf_weights_map(model, TensorProcessor())
+    except NotImplementedError:  # an architecture gguf-py does not name
         return {}
-    name_map = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    from_model = {parameter: gguf_name for gguf_name, parameter in to_model.items()}
     names = {}
+    module_names = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            gguf_name = name_map.get_name(name)
-            if gguf_name is not None:
-                names[name] = f"{gguf_name}.weight"
+        module_names.setdefault(module, name)
+        if isinstance(module, torch.nn.Linear) and f"{name}.weight" in from_model:
+            names[name] = from_model[f"{name}.weight"]
     # A tied head has no tensor of its own in the file: it is the token embedding.
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is not None and head.weight is embedding.weight:
-        module_names = {module: name for name, module in model.named_modules()}
+    if head is not None and embedding is not None and head.weight is embedding.weight:
         head_name = module_names.get(head)
-        embedding_name = name_map.get_name(module_names.get(embedding, ""))
-        if names.get(head_name) not in tensors and f"{embedding_name}.weight" in tensors:
-            names[head_name] = f"{embedding_name}.weight"
-    return {name: gguf for name, gguf in names.items() if gguf in tensors}
+        embedding_name = from_model.get(f"{module_names.get(embedding)}.weight")
+        if names.get(head_name) not in tensors and embedding_name in tensors:
+            names[head_name] = embedding_name
+    return {name: gguf_name for name, gguf_name in names.items() if gguf_name in tensors}
 
 
 def row_orders(model, gguf_name, rows):
@@ -230,13 +362,26 @@ def matching_parts(weight, parts, orders):
     """The parts in the dense weight's row order, or None when no order reproduces the weight
     to the rounding of its dtype."""
     reference = dequantized(parts)
-    dense = weight.detach().float()
-    tolerance = torch.finfo(weight.dtype).eps * (float(reference.abs().max()) + 1e-6)
+    low, high = torch.aminmax(reference)
+    tolerance = torch.finfo(weight.dtype).eps * (max(-float(low), float(high)) + 1e-6)
     for order in orders:
-        if float((reference[order] - dense).abs().max()) <= tolerance:
-            return [Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous())
-                    for p in parts]
+        if _largest_difference(reference, weight.detach(), order) > tolerance:
+            continue
+        if torch.equal(order, torch.arange(len(order))):
+            return parts
+        return [Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous())
+                for p in parts]
     return None
+
+
+def _largest_difference(reference, dense, order, rows=8192):
+    """max |reference[order] - dense|, a block of rows at a time: the head's whole difference
+    would be three more 670 MB float32 tensors."""
+    largest = 0.0
+    for start in range(0, len(order), rows):
+        block = reference[order[start:start + rows]] - dense[start:start + rows].float()
+        largest = max(largest, float(block.abs_().max()))
+    return largest
 
 
 def pack(model, path, mode, cache=None):
@@ -249,12 +394,15 @@ def pack(model, path, mode, cache=None):
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
-    candidates, widths = [], {}
+    candidates, widths, no_kernel = [], {}, {}
     for name, gguf_name in names.items():
         linear = modules.get(name)
         if not isinstance(linear, torch.nn.Linear):
             continue
         kind, blocks = tensors[gguf_name]
+        if blocks is None:
+            no_kernel[kind.name] = no_kernel.get(kind.name, 0) + 1
+            continue
         parts = halves(kind, np.asarray(blocks))
         parts = matching_parts(linear.weight, parts, row_orders(model, gguf_name, linear.out_features))
         if parts is None:
@@ -276,7 +424,7 @@ def pack(model, path, mode, cache=None):
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         packed += 1
     packing = Packing(
-        packed=packed, candidates=len(candidates), widths=widths,
+        packed=packed, candidates=len(candidates), widths=widths, no_kernel=no_kernel,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )

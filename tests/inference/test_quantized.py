@@ -1,19 +1,26 @@
 """Packed GGUF weights (SPEC 7a): the file's own values through torch's int4 kernel, on the
 tiny model (its weights quantized to real GGUF blocks) and on the packaged GGUF's tensors."""
 
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
 import numpy as np
 import pytest
 import safetensors.numpy
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from inference_app.catalogue import model_source
 from inference_app.engine import quantized, weights
 from inference_app.engine.loader import load_model, pick_weights
 from inference_app.engine.runtime import ResidentModel
 
-KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+         GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K]
+# gguf-py de-quantizes the K-quants but has no quantizer for them.
+UNQUANTIZABLE = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
@@ -23,27 +30,81 @@ def kernel_tolerance(x, weight):
     return 4 * torch.finfo(torch.bfloat16).eps * float((x.abs() @ weight.abs().t()).max())
 
 
+def random_blocks(kind, rows, columns, generator):
+    """K-quant blocks of random bytes: every nibble, fifth bit and 6-bit scale and minimum
+    pattern turns up, so a wrong layout cannot agree with gguf's de-quantizer by chance. d and
+    dmin are ordinary fp16 magnitudes (random bytes would give NaNs and infinities)."""
+    block_size, block_bytes = GGML_QUANT_SIZES[kind]
+    blocks = generator.integers(0, 256, size=(rows, columns // block_size, block_bytes), dtype=np.uint8)
+    blocks[..., :4] = generator.uniform(1e-3, 1e-2, size=(rows, columns // block_size, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def file_blocks(kind, dense, generator):
+    if kind in UNQUANTIZABLE:
+        return random_blocks(kind, *dense.shape, generator)
+    return quants.quantize(dense, kind)
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
 def test_the_int4_halves_are_the_files_own_values_and_the_kernel_multiplies_by_them(kind):
     generator = np.random.default_rng(7)
-    dense = generator.normal(size=(96, 128)).astype(np.float32)
-    blocks = quants.quantize(dense, kind)
+    dense = generator.normal(size=(96, 512)).astype(np.float32)  # 512: two K-quant super-blocks a row
+    blocks = file_blocks(kind, dense, generator)
     parts = quantized.halves(kind, blocks)
+    assert len(parts) == (2 if kind in {GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K} else 1)
     # gguf's own de-quantization is the value the file means; the halves give it exactly.
     assert torch.equal(quantized.dequantized(parts), torch.from_numpy(quants.dequantize(blocks, kind)))
 
     file_weight = quantized.dequantized(parts)
-    linear = torch.nn.Linear(128, 96, bias=False)
+    linear = torch.nn.Linear(512, 96, bias=False)
     linear.weight.data.copy_(file_weight)
     packed = quantized.PackedLinear(linear, parts, None)
-    x = torch.randn(5, 128)
+    x = torch.randn(5, 512)
     with torch.inference_mode():
         assert (packed(x) - F.linear(x, file_weight)).abs().max() <= kernel_tolerance(x, file_weight)
         # A bfloat16 model's pass is, to the bit, the float32 pass of the same values rounded
-        # to bfloat16 (a 4-bit kind skips the float32 round trip; Q8_0 sums its halves in float32).
-        x16 = x.to(torch.bfloat16).reshape(1, 5, 128)
+        # to bfloat16 (a 4-bit kind skips the float32 round trip; two halves sum in float32).
+        x16 = x.to(torch.bfloat16).reshape(1, 5, 512)
         assert packed(x16).dtype == torch.bfloat16 and packed(x16).shape == (1, 5, 96)
         assert torch.equal(packed(x16), packed(x16.float()).to(torch.bfloat16))
+
+
+def test_q6_k_stays_dense_because_the_kernel_takes_no_group_of_16():
+    """Q6_K's scales cover 16 weights each. Should torch's kernel take groups of 16 one day,
+    this fails, and Q6_K can join PACKABLE as two halves of its 6 bits."""
+    q = torch.randint(0, 16, (16, 256), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="qGroupSize"):
+        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 16, torch.ones(16, 16, 2, dtype=torch.bfloat16))
+    assert GGMLQuantizationType.Q6_K not in quantized.PACKABLE
+
+
+def test_a_block_cache_from_before_a_type_was_packable_is_read_again_from_the_file(tmp_path):
+    generator = np.random.default_rng(3)
+    k_blocks = random_blocks(GGMLQuantizationType.Q4_K, 32, 256, generator)
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_output.weight", k_blocks, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((32, 210), np.uint8), raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "millm-blocks.safetensors"
+    # What the server wrote while Q4_K was not packable: no Q4_K blocks, no packable set.
+    safetensors.numpy.save_file({"x": np.zeros(1, np.uint8)}, str(cache), metadata={"x": "Q8_0"})
+
+    tensors = quantized.file_tensors(path, cache)
+    assert set(tensors) == {"blk.0.attn_output.weight", "blk.0.ffn_down.weight"}
+    kind, blocks = tensors["blk.0.attn_output.weight"]
+    assert kind == GGMLQuantizationType.Q4_K and np.array_equal(blocks, k_blocks)
+    assert tensors["blk.0.ffn_down.weight"] == (GGMLQuantizationType.Q6_K, None)  # named, no blocks
+    path.unlink()  # the rewritten cache now answers alone
+    again = quantized.file_tensors(path, cache)
+    assert np.array_equal(again["blk.0.attn_output.weight"][1], k_blocks)
+    assert again["blk.0.ffn_down.weight"] == (GGMLQuantizationType.Q6_K, None)
 
 
 def test_auto_packs_except_under_the_float32_reference_or_off_the_cpu():
@@ -67,8 +128,8 @@ def with_file_values(model, cache):
         blocks = quants.quantize(module.weight.detach().float().numpy(), kind)
         with torch.no_grad():
             module.weight.copy_(torch.from_numpy(quants.dequantize(blocks, kind)))
-        tensors[gguf_name], kinds[gguf_name] = blocks, kind.name
-    safetensors.numpy.save_file(tensors, str(cache), metadata=kinds)
+        tensors[gguf_name], kinds[gguf_name] = blocks, kind
+    quantized.write_blocks(cache, {name: (kinds[name], tensors[name]) for name in tensors})
     return model
 
 
@@ -173,3 +234,61 @@ def test_the_packaged_ggufs_tensors_run_packed_and_still_answer(default_source):
         strict=True,
     )
     assert "Paris" in services.run(runtime, parsed).body["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def gemma(second_gguf):
+    """Gemma 3 270M (Q4_K_M) loaded dense by the production loader, its file's tensors as the
+    loader's packing reads them (the block cache beside the conversion), the GGUF names found
+    for its projections, then packed as MILLM_WEIGHTS=quantized packs it: the one load of the
+    real model in this file (about 15 s once the conversion cache exists)."""
+    loaded = load_model(model_source(str(second_gguf)), weights="dense")
+    cache = Path(loaded.model.name_or_path) / "millm-blocks.safetensors"
+    tensors = quantized.file_tensors(second_gguf, cache)
+    names = quantized.gguf_names(loaded.model, tensors)
+    packing = quantized.pack(loaded.model, second_gguf, "quantized", cache=cache)
+    return SimpleNamespace(model=loaded.model, tensors=tensors, names=names, packing=packing)
+
+
+def test_the_gemma_files_own_blocks_of_each_packable_type_run_packed(gemma):
+    smallest = {}
+    for name, (kind, blocks) in gemma.tensors.items():
+        if blocks is not None and (kind not in smallest or blocks.size < smallest[kind][1].size):
+            smallest[kind] = (name, blocks)
+    assert set(smallest) == {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0}
+    for kind, (name, blocks) in smallest.items():
+        parts = quantized.halves(kind, blocks)
+        file_weight = torch.from_numpy(quants.dequantize(blocks, kind))
+        assert torch.equal(quantized.dequantized(parts), file_weight), name
+        linear = torch.nn.Linear(file_weight.shape[1], file_weight.shape[0], bias=False)
+        linear.weight.data.copy_(file_weight)
+        x = torch.randn(3, file_weight.shape[1])
+        with torch.inference_mode():
+            difference = (quantized.PackedLinear(linear, parts, None)(x) - F.linear(x, file_weight)).abs().max()
+        assert difference <= kernel_tolerance(x, file_weight), name
+
+
+def test_gguf_names_finds_gemmas_projections_and_its_tied_head(gemma):
+    model, names, packing = gemma.model, gemma.names, gemma.packing
+    layers = model.config.num_hidden_layers
+    # transformers' model type is gemma3_text, gguf's architecture gemma3: before, no name was found.
+    assert len(names) == 7 * layers + 1  # q k v o gate up down, and the head
+    assert names["model.layers.0.self_attn.q_proj"] == "blk.0.attn_q.weight"
+    assert names[f"model.layers.{layers - 1}.mlp.down_proj"] == f"blk.{layers - 1}.ffn_down.weight"
+    assert names["lm_head"] == "token_embd.weight"  # the biggest matmul of a step: a candidate
+
+    kinds = [gemma.tensors[gguf_name][0] for gguf_name in names.values()]
+    packable = sum(kind in quantized.PACKABLE for kind in kinds)
+    assert packing.packed == packing.candidates == packable == len(names) - kinds.count(GGMLQuantizationType.Q6_K)
+    assert packing.no_kernel == {"Q6_K": kinds.count(GGMLQuantizationType.Q6_K)} and packing.no_kernel["Q6_K"] > 0
+    assert f"dense for want of a kernel: Q6_K x{packing.no_kernel['Q6_K']}" in packing.describe()
+    assert {kind for kind, _, _ in packing.widths} == {"Q4_K", "Q5_0", "Q8_0"}
+    assert isinstance(model.lm_head, quantized.PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
+    for module in (model.model.layers[0].self_attn.q_proj,  # Q5_0
+                   model.model.layers[0].self_attn.o_proj,  # Q4_K
+                   model.lm_head):  # Q8_0
+        assert isinstance(module, quantized.PackedLinear) and module.packed
+        x, weight = torch.randn(2, module.in_features), module.weight.detach()
+        with torch.inference_mode():
+            difference = (module(x) - F.linear(x, weight)).abs().max()
+        assert difference <= kernel_tolerance(x, weight), module
