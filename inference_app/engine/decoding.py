@@ -10,13 +10,37 @@ request runs, so its first token is the lone request's first token) and then mer
 into the batch, padding whichever side is shorter. `drop` removes rows and trims the padding
 columns no remaining row needs, so a long prompt that left stops widening every step.
 
-Only full-attention layers (`DynamicLayer`) can be merged this way; `mergeable` says so, and the
-scheduler decodes other models one sequence at a time.
+Only attention layers whose cache is every key and value (`DynamicLayer`) can be merged this way.
+A model with sliding-window layers (Gemma 2 and 3 mix them with global ones; Mistral and Qwen 2 may
+use them) would keep only a window's last keys in those layers, a different count in each row, so
+the decoder's own prefill keeps every layer whole (`DynamicCache()` without the config) and the
+window is the mask's: the model builds its sliding mask from the column positions, and since every
+row's real tokens end in the same column, a column's distance is a position's distance, so each
+row attends to exactly the window it would alone. The cost is memory: a sliding layer holds the
+whole context rather than the window. Layers that are not attention (a state space's or a linear
+attention's states) cannot be merged: `batches` says so at load, and the scheduler decodes such a
+model one sequence at a time.
 """
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+# The layer kinds of a config's `layer_types` that the merged cache holds (as whole layers).
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def batches(config):
+    """(whether the model's decode steps can share forward passes, the start-up line's words)."""
+    config = config.get_text_config(decoder=True)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    others = kinds - ATTENTION_LAYERS
+    if others:
+        return False, (f"serial: its {', '.join(sorted(others))} layers keep states that cannot be merged "
+                       "across sequences; one sequence decodes at a time")
+    if "sliding_attention" in kinds or getattr(config, "sliding_window", None):
+        return True, f"batched (sliding-window layers held whole, windowed by the mask; window {config.sliding_window})"
+    return True, "batched"
 
 
 class BatchedDecoder:
@@ -27,6 +51,7 @@ class BatchedDecoder:
         self.mask = None  # [rows, columns], 1 where a row has a real token
         self.positions = []  # each row's next position
         self.merges = None  # whether this model's cache merges (known after the first prefill)
+        self.whole_layers, _ = batches(runtime.model.config)  # prefill into whole layers, to merge them
 
     @property
     def rows(self):
@@ -40,7 +65,8 @@ class BatchedDecoder:
     def prefill(self, prompt_ids):
         """One prompt alone: (its cache, the float32 logits at its last token)."""
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        out = self.runtime.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = {"cache": DynamicCache()} if self.whole_layers else {}
+        out = self.runtime.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
         return out.cache, out.logits[0, -1].float()
 
     @staticmethod
