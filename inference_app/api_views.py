@@ -10,7 +10,7 @@ from django.db import IntegrityError
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_http_methods
 
-from inference_app import gateway, weight_uploads
+from inference_app import chat_templates, gateway, weight_uploads
 from inference_app.catalogue import model_not_loaded, model_source
 from millm_lib.errors import ApiError, json_response, require_json
 from inference_app.leases import LEASE_HEADER, lease_expired, lease_not_found, model_leased, presented_lease
@@ -91,13 +91,19 @@ def models(request):
         return ok([entry.to_management() for entry in ModelEntry.objects.order_by("-created_at", "-id")])
     body = _body(request, ModelRegistration, "invalid_model_request")
     try:
-        source = model_source(body.source, body.id)
+        source = model_source(body.source, body.id, body.chat_template)
     except ImproperlyConfigured as error:
         message = str(error).replace("MILLM_MODEL", "source")
         raise ApiError(400, "invalid_model_request", message, param="source", details={"field": "source"}) from None
     except OSError as error:  # a name too long for the filesystem, a loop of links...
         raise ApiError(400, "invalid_model_request", f"source cannot be read: {error.strerror} "
                        f"({len(body.source):,} characters)", param="source", details={"field": "source"}) from None
+    if body.chat_template is not None:
+        try:
+            chat_templates.check_setting(body.chat_template, field="chat_template")
+        except ImproperlyConfigured as error:
+            raise ApiError(400, "invalid_model_request", str(error), param="chat_template",
+                           details={"field": "chat_template"}) from None
     try:
         entry = ModelEntry.objects.register(source)
     except IntegrityError:

@@ -24,6 +24,8 @@ class ModelSource:
     format: str  # ModelEntry.Format
     model_id: str
     quantization: str | None
+    # MILLM_CHAT_TEMPLATE or the entry's `chat_template`: a template's name or path, over the model's own.
+    chat_template: str | None = None
 
 
 def default_model_path():
@@ -41,16 +43,18 @@ def default_model_path():
     return found[0]
 
 
-def model_source(value=None, model_id=None):
-    """Describe MILLM_MODEL (a folder of safetensors or a .gguf file) without loading it."""
+def model_source(value=None, model_id=None, chat_template=None):
+    """Describe MILLM_MODEL (a folder of safetensors or a .gguf file) without loading it.
+    `chat_template`: the template it chats with over its own (an engine's model: MILLM_CHAT_TEMPLATE)."""
     value = value if value is not None else settings.MILLM_MODEL
     model_id = model_id if model_id is not None else settings.MILLM_MODEL_ID
     packaged = value is None
+    template = chat_template or None
     path = default_model_path() if packaged else Path(value).expanduser().resolve()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ImproperlyConfigured(f"MILLM_MODEL folder {path} has no config.json")
-        return ModelSource(path, ModelEntry.Format.FOLDER, model_id or path.name, None)
+        return ModelSource(path, ModelEntry.Format.FOLDER, model_id or path.name, None, template)
     if path.suffix.lower() == ".gguf" and path.is_file():
         match = _QUANT.search(path.stem)
         quant = match.group(1).upper() if match else None
@@ -58,7 +62,7 @@ def model_source(value=None, model_id=None):
         derived = f"{stem}-GGUF:{quant}" if quant else f"{stem}-GGUF"
         if packaged:
             derived = f"{DEFAULT_DISTRIBUTION}/{derived}"
-        return ModelSource(path, ModelEntry.Format.GGUF, model_id or derived, quant)
+        return ModelSource(path, ModelEntry.Format.GGUF, model_id or derived, quant, template)
     raise ImproperlyConfigured(f"MILLM_MODEL must be a model folder or a .gguf file, got {str(path)!r}")
 
 

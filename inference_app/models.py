@@ -25,7 +25,8 @@ ENGINE_ROW_RETENTION = timedelta(days=1)  # a dead engine's row stays this long 
 
 def _source_fields(source):
     """The entry fields a `catalogue.ModelSource` gives."""
-    return {"source": str(source.path), "source_format": source.format, "quantization": source.quantization}
+    return {"source": str(source.path), "source_format": source.format, "quantization": source.quantization,
+            "chat_template": source.chat_template}
 
 
 class ModelEntryQuerySet(models.QuerySet):
@@ -99,6 +100,10 @@ class ModelEntry(models.Model):
     revision = models.CharField(max_length=128, null=True, blank=True)
     dtype = models.CharField(max_length=16, null=True, blank=True)
     quantization = models.CharField(max_length=32, null=True, blank=True)
+    chat_template = models.CharField(
+        max_length=1024, null=True, blank=True,
+        help_text="The chat template it chats with over its own: a well-known name or a Jinja file's path.",
+    )
     context_length = models.PositiveIntegerField(null=True, blank=True)
     hidden_size = models.PositiveIntegerField(null=True, blank=True)
     num_layers = models.PositiveIntegerField(null=True, blank=True)
@@ -207,6 +212,7 @@ class ModelEntry(models.Model):
             revision=self.revision,
             dtype=self.dtype,
             quantization=self.quantization,
+            chat_template=self.chat_template,
             context_length=self.context_length,
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,

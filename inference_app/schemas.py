@@ -289,6 +289,8 @@ class LeaseRequest(ManagementSchema):
 class ModelRegistration(ManagementSchema):
     source: NonEmptyStr
     id: Annotated[StrictStr, Field(min_length=1, max_length=MODEL_ID_MAX_LENGTH)] | None = None
+    # A well-known template's name or a Jinja file's path, over the model's own (MILLM_CHAT_TEMPLATE's values).
+    chat_template: Annotated[StrictStr, Field(min_length=1, max_length=1024)] | None = None
 
 
 class LoadRequest(ManagementSchema):

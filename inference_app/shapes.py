@@ -264,6 +264,7 @@ class CatalogueEntry(Shape):
     revision: str | None
     dtype: str | None
     quantization: str | None
+    chat_template: str | None
     context_length: int | None
     hidden_size: int | None
     num_layers: int | None

@@ -140,6 +140,9 @@ STATIC_ROOT = BASE_DIR / "var" / "static"
 MILLM_DATA_DIR = Path(envstr("MILLM_DATA_DIR", str(BASE_DIR / "var"))).resolve()
 MILLM_MODEL = envstr("MILLM_MODEL")  # None: the packaged SmolLM2 GGUF
 MILLM_MODEL_ID = envstr("MILLM_MODEL_ID")
+# The engine's model chats with this template over its own: a well-known name (chatml, gemma,
+# llama3, mistral, phi3) or a Jinja file's path (inference_app/chat_templates.py).
+MILLM_CHAT_TEMPLATE = envstr("MILLM_CHAT_TEMPLATE")
 MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
 MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 # What a GGUF's Q4_0/Q4_1/Q8_0 projections run from (SPEC 7a, inference_app/engine/quantized.py).

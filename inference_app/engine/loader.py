@@ -21,6 +21,7 @@ from django.conf import settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_app.catalogue import ModelSource
+from inference_app import chat_templates
 from inference_app.engine import attention, gguf_reading, quantized
 from inference_app.models import ModelEntry
 
@@ -38,6 +39,7 @@ class LoadedModel:
     dtype: torch.dtype
     revision: str | None
     weights: str = "dense"  # "packed" when a GGUF's quantized tensors run packed (quantized.py)
+    chat_template: chat_templates.ChatTemplate | None = None  # None: the tokenizer's own, unchecked
 
 
 def pick_device(setting=None):
@@ -107,6 +109,8 @@ def load_model(source, device=None, dtype=None, weights=None):
             folder, revision = source.path, _folder_revision(source.path)
         log.info("loading %s from %s (%s, %s)", source.model_id, folder, device, dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder)
+        template = chat_templates.resolve(tokenizer, source.chat_template)
+        chat_templates.apply(tokenizer, template)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         model.to(device)
         model.eval()
@@ -115,9 +119,9 @@ def load_model(source, device=None, dtype=None, weights=None):
         if source.format == ModelEntry.Format.GGUF and weights != "dense":
             packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
             form = packing.label
-    log.info("loaded %s in %.1f s (%s, %s weights, %s attention)", source.model_id, time.monotonic() - started,
-             str(dtype).removeprefix("torch."), form, attends)
-    return LoadedModel(source, model, tokenizer, device, dtype, revision, form)
+    log.info("loaded %s in %.1f s (%s, %s weights, %s attention, chat template: %s)", source.model_id,
+             time.monotonic() - started, str(dtype).removeprefix("torch."), form, attends, template.origin)
+    return LoadedModel(source, model, tokenizer, device, dtype, revision, form, template)
 
 
 def _folder_revision(folder):

@@ -103,7 +103,8 @@ class Residency:
             return ModelEntry.objects.record_engine_model(source), source
         entry = ModelEntry.objects.get(pk=model_id)
         weights_of = entry.root  # a checkpoint loads its base model first
-        return entry, ModelSource(Path(weights_of.source), weights_of.source_format, entry.pk, weights_of.quantization)
+        return entry, ModelSource(Path(weights_of.source), weights_of.source_format, entry.pk, weights_of.quantization,
+                                  entry.chat_template or weights_of.chat_template)
 
     def unload_resident(self, reason, collect=True):
         """Drop the resident model: its leases end and its entry is available again.

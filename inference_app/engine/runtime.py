@@ -4,6 +4,7 @@ Every method that touches weights runs in the engine's model thread, under the a
 """
 
 import copy
+import logging
 import os
 from dataclasses import dataclass
 
@@ -11,11 +12,14 @@ import torch
 import torch.nn.functional as F
 from django.conf import settings
 
-from inference_app.engine import compiled, quantized
+from inference_app import chat_templates
+from inference_app.engine import compiled, decoding, quantized
 from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
 from inference_app import tools as chat_tools
 from inference_app.provenance import system_fingerprint
+
+log = logging.getLogger("millm.engine")
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,11 @@ class ResidentModel:
         config = self.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(config.vocab_size)
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.chat_template = loaded.chat_template or chat_templates.resolve(self.tokenizer, None)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer) | chat_templates.turn_end_ids(self.tokenizer, self.chat_template)
+        # Whether generation sequences can share decode steps, and the start-up line's words for it.
+        self.batches, self.decoding = decoding.batches(self.model.config)
+        log.info("decoding %s: %s", self.model_id, self.decoding)
         # What the scheduler's decode steps call: the model itself, or its compiled forward.
         self.decode_forward = self.model
         self.fingerprint = self._fingerprint()
@@ -77,12 +85,19 @@ class ResidentModel:
 
     def encode(self, text):
         """The one tokenisation of a prompt, shared by chat (after rendering) and completions,
-        so chat scoring equals completions scoring of the rendered prompt to the bit."""
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        so chat scoring equals completions scoring of the rendered prompt to the bit. A text that
+        begins with the BOS token's text (a template that writes it, as Gemma's and Llama 3's do)
+        gets no second one: a doubled BOS is a prompt the model never saw in training."""
+        bos = self.tokenizer.bos_token
+        written = bool(bos) and text.startswith(bos)
+        return self.tokenizer(text, add_special_tokens=not written)["input_ids"]
 
     def render_chat(self, messages, tools=()):
         """The prompt of a conversation, with `tools` (function tools) shown to the model: by the
-        chat template when it reads them, else in the system message (inference_app/tools.py)."""
+        chat template when it reads them, else in the system message (inference_app/tools.py).
+        A model with no template refuses (400 naming MILLM_CHAT_TEMPLATE)."""
+        if not self.chat_template.present:
+            raise chat_templates.missing(self.model_id)
         native = bool(tools) and "tools" in str(self.tokenizer.chat_template or "")
         conversation = chat_tools.conversation(messages, tools, native)
         add_generation_prompt = messages[-1].role != "assistant"

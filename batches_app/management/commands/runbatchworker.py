@@ -27,7 +27,7 @@ class Command(BaseCommand):
         from webhooks_app.courier import WebhookCourier
 
         jobs = [("retention", settings.BATCH_RETENTION_INTERVAL_S, run_retention)]
-        status = Worker(model_source(model, model_id), jobs=jobs, companions=[BatchRunner, WebhookCourier]).run()
+        status = Worker(model_source(model, model_id, settings.MILLM_CHAT_TEMPLATE), jobs=jobs, companions=[BatchRunner, WebhookCourier]).run()
         # The engine has stopped and said so (its row is gone, its seats ended, what it recorded
         # committed). The interpreter's own teardown of torch and the model would take a second
         # more of every stop and restart; nothing is left for it to do.
