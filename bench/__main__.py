@@ -1,11 +1,14 @@
 """Every benchmark part in one run: a table of each figure beside its goal, JSON under
 bench/results/, the README's results section and the packing chart (docs/bench/packing.png).
 
-    python -m bench [PART ...] [--quick] [--no-readme]
+    python -m bench [PART ...] [--quick] [--no-readme] [--model PATH [--chat-template NAME]]
 
 PART is any of PARTS below (default: all, in that order). --quick runs each at a tiny size on the
 tiny test model (what the smoke test runs): the figures say nothing then, so --quick never
 rewrites the README. concurrency's llama.cpp baseline needs the bench extra's xllamacpp.
+--model (and --chat-template, for a file without one) runs the peers part on another model, the
+model a user brings (`make bench PARTS="peers --model var/test-models/gemma-3-270m-q4_k_m.gguf
+--chat-template gemma"`); the other parts keep their models, and such a run leaves the README alone.
 """
 
 import argparse
@@ -95,6 +98,8 @@ def main(argv=None):
     parser.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the tiny model: proves the parts run")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md and the chart alone")
+    parser.add_argument("--model", default=None, help="the peers part's model (a .gguf); default the packaged one")
+    parser.add_argument("--chat-template", default=None, help="the peers part's template, for a file without one")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
@@ -122,10 +127,13 @@ def main(argv=None):
                     own = stacks.enter_context(contextlib.ExitStack())
                     shared[model] = (own.enter_context(stack(model, **(QUICK_SHARED if args.quick else {}))), own)
                 kwargs["running"] = shared[model][0]
+            arguments = sizes(part, args.quick, tiny)
+            if part == "peers" and args.model:
+                arguments += ["--model", args.model] + (["--chat-template", args.chat_template] if args.chat_template else [])
             if part in FRESH_PROCESS and not args.quick:
-                results[part] = in_fresh_process(part, sizes(part, args.quick, tiny))
+                results[part] = in_fresh_process(part, arguments)
             else:
-                results[part] = module.main(sizes(part, args.quick, tiny), **kwargs)
+                results[part] = module.main(arguments, **kwargs)
             results[part]["seconds"] = round(time.monotonic() - part_started, 1)
             if part in model_of and model_of[part] not in [model_of.get(later) for later in ordered[index + 1:]]:
                 shared[model_of[part]][1].close()
@@ -143,7 +151,7 @@ def main(argv=None):
     print("\n" + table)
     if "packing" in results:
         chart(results["packing"], RESULTS / "packing.png" if args.quick or args.no_readme else CHART)
-    if not (args.quick or args.no_readme) and set(parts) == set(PARTS):
+    if not (args.quick or args.no_readme or args.model) and set(parts) == set(PARTS):
         write_readme(table)
     return summary
 

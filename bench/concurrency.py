@@ -35,8 +35,11 @@ import sys
 import xllamacpp
 
 path, port, slots, context, threads = sys.argv[1], *map(int, sys.argv[2:6])
+embedding, template = sys.argv[6], sys.argv[7]
 params = xllamacpp.CommonParams()
-params.embedding = sys.argv[6:] == ["embedding"]
+params.embedding = embedding == "embedding"
+if template:  # one of llama.cpp's built-in templates by name, as miServer's MILLM_CHAT_TEMPLATE
+    params.chat_template = template
 if params.embedding:  # mean pooling, as miServer's embeddings default to
     params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
 params.model.path = path
@@ -182,15 +185,16 @@ def describe_answers(value):
 
 
 @contextlib.contextmanager
-def llama_server(gguf, slots, context, threads, timeout=120, embedding=False):
+def llama_server(gguf, slots, context, threads, timeout=120, embedding=False, chat_template=None):
     """llama.cpp's server (xllamacpp.Server) on 127.0.0.1, in a process of its own: `slots`
     parallel sequences of `context` tokens each, `threads` threads (`embedding`: serving
-    /v1/embeddings too). Yields its base URL."""
+    /v1/embeddings too; `chat_template`: a built-in template's name, for a GGUF that has none).
+    Yields its base URL."""
     from tests.e2e.stack import answers, free_port
 
     log = tempfile.TemporaryFile()
     process = subprocess.Popen([sys.executable, "-c", SERVE, str(gguf), str(free_port()), str(slots), str(context), str(threads),
-                                *(["embedding"] if embedding else [])],
+                                "embedding" if embedding else "-", chat_template or ""],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
 
     def failed(why):

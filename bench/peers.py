@@ -19,11 +19,16 @@ Quality, every server against the float32 reference on the same rows: scoring ro
 token changed, the largest logprob difference where the top token is the same, and greedy
 generation-job rows whose text is identical.
 
-    python -m bench.peers [--modes auto bfloat16 ...] [--repeats 3] [--model PATH]
+    python -m bench.peers [--modes auto bfloat16 ...] [--repeats 3] [--model PATH] [--chat-template NAME]
+
+A model whose file has no chat template (the second model, Gemma 3 270M) needs --chat-template:
+the name goes to miServer as MILLM_CHAT_TEMPLATE and to llama.cpp as its built-in template of
+that name, so both render the same prompts.
 """
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import statistics
 import time
@@ -62,6 +67,8 @@ def main(argv=None):
     parser.add_argument("--scoring-rows", type=int, default=256)
     parser.add_argument("--embedding-inputs", type=int, default=64)
     parser.add_argument("--model", default=None, help="a model folder or .gguf (default: the packaged SmolLM2)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a well-known template's name (gemma, chatml, ...) for a model whose file has none")
     parser.add_argument("--no-llama", action="store_true", help="miServer's modes only (a GPU run)")
     args = parser.parse_args(argv)
 
@@ -73,7 +80,11 @@ def main(argv=None):
     import torch
 
     threads = torch.get_num_threads()
-    texts = scoring_texts(load_resident(args.model), args.scoring_rows)
+    resident = load_resident(args.model)
+    if not (resident.chat_template.present or args.chat_template):
+        parser.error(f"{resident.model_id} has no chat template of its own: name one with --chat-template")
+    texts = scoring_texts(resident, args.scoring_rows)
+    del resident
     prompts = [f"Write a short story about {subject}, number {index}."
                for index, subject in enumerate(_subjects(args.generation_rows))]
     llama = not args.no_llama and importlib.util.find_spec("xllamacpp") is not None
@@ -86,8 +97,10 @@ def main(argv=None):
             if server == LLAMA:
                 measured = measure_llama(gguf, threads, texts, prompts, args)
             else:
-                measured = measure_miserver(args.model, REFERENCE_SETTINGS if server == REFERENCE else MODES[server],
-                                            texts, prompts, args)
+                settings = REFERENCE_SETTINGS if server == REFERENCE else MODES[server]
+                if args.chat_template:
+                    settings = {**settings, "MILLM_CHAT_TEMPLATE": args.chat_template}
+                measured = measure_miserver(args.model, settings, texts, prompts, args)
             for work, (rate, output) in measured.items():
                 rates[server][work].append(rate)
                 if output is not None:
@@ -100,6 +113,7 @@ def main(argv=None):
                       f"{args.generation_rows}-row generation job of {args.chat_tokens} tokens; {args.scoring_rows} "
                       f"scoring rows of 10-60 tokens; {args.embedding_inputs} embedding inputs; {args.repeats} "
                       f"interleaved round(s), medians; {threads} threads each; llama.cpp on {gguf.name}"
+                      + (f"; chat template {args.chat_template!r} on both" if args.chat_template else "")
                       + ("" if llama else " (not measured: xllamacpp missing or --no-llama)"))]
     for server in servers:
         figures = ", ".join(f"{work} {value:.1f} {UNITS[work]}" for work, value in medians[server].items())
@@ -164,6 +178,7 @@ def measure_llama(gguf, threads, texts, prompts, args):
 
     measured = {}
     context = 256 + max(args.one_chat_tokens, args.chat_tokens)
+    llama_server = functools.partial(llama_server, chat_template=args.chat_template)
     with llama_server(gguf, 8, context, threads) as url, httpx.Client(base_url=url, timeout=3600) as client:
         measured.update(workloads(client, gguf.name, texts, prompts, args, ours=False, only={"one_chat", "chats", "scoring_job"}))
     with llama_server(gguf, 16, context, threads) as url, httpx.Client(base_url=url, timeout=3600) as client:
