@@ -247,7 +247,7 @@ def gemma(second_gguf):
     tensors = quantized.file_tensors(second_gguf, cache)
     names = quantized.gguf_names(loaded.model, tensors)
     packing = quantized.pack(loaded.model, second_gguf, "quantized", cache=cache)
-    return SimpleNamespace(model=loaded.model, tensors=tensors, names=names, packing=packing)
+    return SimpleNamespace(loaded=loaded, model=loaded.model, tensors=tensors, names=names, packing=packing)
 
 
 def test_the_gemma_files_own_blocks_of_each_packable_type_run_packed(gemma):
@@ -292,3 +292,21 @@ def test_gguf_names_finds_gemmas_projections_and_its_tied_head(gemma):
         with torch.inference_mode():
             difference = (module(x) - F.linear(x, weight)).abs().max()
         assert difference <= kernel_tolerance(x, weight), module
+
+
+def test_the_fingerprint_names_the_k_quant_file_and_that_its_projections_ran_packed(gemma):
+    runtime = ResidentModel(gemma.loaded)
+    assert runtime.fingerprint.startswith("millm:gemma-3-270m-GGUF:Q4_K_M@")
+    assert runtime.fingerprint.endswith(":float32/Q4_K_M+packed:transformers")
+
+
+def test_auto_times_each_call_with_the_caches_emptied_unless_the_weight_alone_overflows_them():
+    """A decode step reads the whole model, so no projection's weight is still cached when it
+    runs: timed hot, a small dense weight ran from the cache and beat the kernel."""
+    cache = quantized.last_level_cache_bytes()
+    assert cache >= 2**20  # this machine's sysfs names its caches; a megabyte at the least
+    small = torch.nn.Linear(64, 32, bias=False)
+    assert callable(quantized._cache_flush(small))
+    rows = 2 * cache // (64 * 4) + 1  # a float32 weight over twice the cache
+    large = torch.nn.Linear(64, rows, bias=False)
+    assert quantized._cache_flush(large) is None
