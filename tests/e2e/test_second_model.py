@@ -99,6 +99,28 @@ def test_a_packed_scoring_batch_and_a_batched_generation_batch_complete(gemma):
     assert sum(row["response"]["millm"]["batched"] for row in made) >= 2
 
 
+
+def test_embeddings_scoring_and_a_probe_answer_on_it(gemma, second_gguf):
+    registered = post(gemma, "/api/models", {"source": str(second_gguf), "id": CHATTING, "chat_template": "gemma"})
+    assert registered.status_code in (201, 409), registered.text
+    embedded = post(gemma, "/v1/embeddings", {"model": CHATTING, "input": ["a lighthouse", "the sea at night"]})
+    assert embedded.status_code == 200, embedded.text
+    vectors = [item["embedding"] for item in embedded.json()["data"]]
+    assert [len(vector) for vector in vectors] == [640, 640] and vectors[0] != vectors[1]  # Gemma 270M's width
+    scored = post(gemma, "/v1/chat/completions", {"model": CHATTING, "max_tokens": 1, "logprobs": True, "top_logprobs": 3,
+                                                   "messages": [{"role": "user", "content": "Is Paris in France? Yes or no."}]})
+    assert scored.status_code == 200, scored.text
+    top = scored.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == 3 and top == sorted(top, key=lambda item: -item["logprob"])
+    probe = post(gemma, "/api/probes", {"name": "second", "model": CHATTING, "layer": 9, "aggregation": "mean",
+                                        "weights": [0.01] * 640})
+    assert probe.status_code == 201, probe.text
+    verdicts = post(gemma, "/api/probes/score", {"probe_ids": [probe.json()["data"]["id"]],
+                                                  "inputs": [{"text": "I loved this film."}]})
+    assert verdicts.status_code == 200, verdicts.text
+    (result,) = verdicts.json()["data"]["results"]
+    assert all(isinstance(verdict["score"], float) for verdict in result["verdicts"] if verdict["window"] == "all")
+
 # The hostile corpus's cases for the routes that reach the model (issue 44), on this model. Four
 # of them are about the tiny model's sizes (its 1,024-token context, its 64-wide hidden state,
 # its 2 layers): on this model they are answered by its own sizes, and only "never a 5xx" holds.
