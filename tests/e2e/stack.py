@@ -23,6 +23,9 @@ PYTHON = sys.executable
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
+# An engine silent this long looks dead to the others (its claims are released).
+ENGINE_STALE_S = 3
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -91,7 +94,7 @@ class Stack:
             "MILLM_MODEL": str(self.model_dir),
             "MILLM_DATA_DIR": str(self.work_dir / "data"),
             "ENGINE_HEARTBEAT_S": "0.5",
-            "ENGINE_STALE_S": "3",
+            "ENGINE_STALE_S": str(ENGINE_STALE_S),
             "PYTHONUNBUFFERED": "1",
             "MILLM_LOG_EXECUTIONS": "true",  # `executions()` counts the rows each engine ran
             **{key: str(value) for key, value in settings.items()},

@@ -8,7 +8,9 @@ The tests run in order on one stack: two replicas, then three, then the kills, t
 """
 
 import concurrent.futures
+import os
 import random
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -16,7 +18,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.e2e.batch_helpers import assert_ran_once, read_jsonl, start_batch, wait_for
+from tests.e2e.batch_helpers import HostPauses, assert_ran_once, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.faults import COMPLETIONS, recorded, scoring_lines
 from tests.e2e.stack import Stack, wait_until
@@ -24,6 +26,23 @@ from tests.e2e.stack import Stack, wait_until
 SECOND = "tiny-second"
 PAUSE = 0.1  # before each chunk's record: a kill lands between a chunk's run and its record
 CHUNK = 4  # BATCH_CHUNK_ROWS
+
+
+def test_host_pauses_sees_this_process_stopped_longer_than_the_stale_limit():
+    """The watchdog the kill test reads: a stop of the whole process (as a paused virtual machine
+    stops every process) for longer than ENGINE_STALE_S is one pause, and nothing else is. It
+    runs before the module's stack starts, so no engine of this module sees the stop."""
+    watchdog = HostPauses()
+    watchdog.start()
+    time.sleep(0.3)
+    me, stopped_for = os.getpid(), HostPauses.STALE_S + 0.7
+    subprocess.Popen(["sh", "-c", f"kill -STOP {me}; sleep {stopped_for}; kill -CONT {me}"])
+    time.sleep(stopped_for + 2.0)  # a sleep that spans the stop, with room for a slow `sh` to start
+    watchdog.stopped.set()
+    watchdog.join(5)
+    assert len(watchdog.pauses) == 1, watchdog.pauses
+    (start, end), = watchdog.pauses
+    assert HostPauses.STALE_S < end - start < stopped_for + 1.0
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +187,10 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     chosen = random.Random(seed)
     first_kill, second_kill = sorted(chosen.uniform(0.1, 0.6) for _ in range(2))
     batch = start_batch(client, scoring_lines(rows), COMPLETIONS)
-    ids, chats = FirstRequestIds(stack, batch.id), Chatter(stack)
+    ids, chats, pauses = FirstRequestIds(stack, batch.id), Chatter(stack), HostPauses()
     ids.start()
     chats.start()
+    pauses.start()
     try:
         killed, recorded_before = [], None
         for share in (first_kill, second_kill):
@@ -193,6 +213,7 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     finally:
         ids.stopped.set()
         chats.stopped.set()
+        pauses.stopped.set()
         ids.join(5)
         chats.join(60)
     assert done.status == "completed", f"seed {seed}"
@@ -205,7 +226,7 @@ def test_replicas_killed_at_random_moments_leave_every_row_once_with_its_first_r
     final = dict(stack.sql("SELECT line, request_id FROM batches_app_batchrow WHERE batch_id = %s", [batch.id]))
     changed = {line: (ids.first[line], final[line]) for line in ids.first if ids.first[line] != final[line]}
     assert changed == {}, f"recorded rows ran again (seed {seed})"
-    assert_ran_once(stack, batch.id, range(1, rows + 1), recorded_before, killed=killed)
+    assert_ran_once(stack, batch.id, range(1, rows + 1), recorded_before, killed=killed, pauses=pauses.pauses)
     by_custom_id = {line["custom_id"]: line["response"]["request_id"] for line in output}
     assert by_custom_id[f"row-{rows - 1}"] == final[rows]
     assert len(ids.first) > rows // 2
