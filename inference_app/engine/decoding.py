@@ -51,7 +51,7 @@ class BatchedDecoder:
         self.mask = None  # [rows, columns], 1 where a row has a real token
         self.positions = []  # each row's next position
         self.merges = None  # whether this model's cache merges (known after the first prefill)
-        self.whole_layers, _ = batches(runtime.model.config)  # prefill into whole layers, to merge them
+        self.whole_layers = runtime.batches  # prefill into whole layers, to merge them
 
     @property
     def rows(self):

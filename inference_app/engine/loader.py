@@ -38,8 +38,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     revision: str | None
+    chat_template: chat_templates.ChatTemplate  # what chat renders with (chat_templates.resolve)
     weights: str = "dense"  # "packed" when a GGUF's quantized tensors run packed (quantized.py)
-    chat_template: chat_templates.ChatTemplate | None = None  # None: the tokenizer's own, unchecked
 
 
 def pick_device(setting=None):
@@ -121,7 +121,7 @@ def load_model(source, device=None, dtype=None, weights=None):
             form = packing.label
     log.info("loaded %s in %.1f s (%s, %s weights, %s attention, chat template: %s)", source.model_id,
              time.monotonic() - started, str(dtype).removeprefix("torch."), form, attends, template.origin)
-    return LoadedModel(source, model, tokenizer, device, dtype, revision, form, template)
+    return LoadedModel(source, model, tokenizer, device, dtype, revision, template, form)
 
 
 def _folder_revision(folder):

@@ -411,13 +411,14 @@ def pack(model, path, mode, cache=None):
             continue
         candidates.append((name, GGMLQuantizationType(kind).name, linear, parts))
     packed = 0
+    flush = _CacheFlush() if mode != "quantized" and candidates else None
     for name, kind, linear, parts in candidates:
         shape = (kind, linear.out_features, linear.in_features)
         if widths.get(shape) == 0:
             continue
         module = PackedLinear(linear, parts, None)
         if shape not in widths:
-            widths[shape] = None if mode == "quantized" else _packed_width(module)
+            widths[shape] = None if mode == "quantized" else _packed_width(module, flush)
         if widths[shape] == 0:
             continue
         module.max_rows = widths[shape]
@@ -434,7 +435,7 @@ def pack(model, path, mode, cache=None):
 
 
 @torch.inference_mode()
-def _packed_width(module, repeats=7):
+def _packed_width(module, flush, repeats=7):
     """The largest measured width up to which the kernel clearly beat the dense matmul at
     every measured width; 0 when it did not at one row. Each call is timed with the caches
     emptied first, as a decode step meets every weight: the step reads the whole model, so a
@@ -442,7 +443,8 @@ def _packed_width(module, repeats=7):
     weight ran from the cache and beat the kernel that reads a third of its bytes, so Gemma's
     feed-forward projections stayed dense (a one-row step 47 ms, 28.5 ms with them packed)."""
     width = 0
-    flush = _cache_flush(module)
+    if module.weight.numel() * module.weight.element_size() >= flush.bytes:
+        flush = None  # the weight alone overflows the caches: every call reads it from memory
     for rows in MEASURED_WIDTHS:
         x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
         kernel = _best_time(lambda: module.kernel(x).to(x.dtype), repeats, flush)
@@ -469,15 +471,17 @@ def _best_time(function, repeats, before=None):
     return min(times)
 
 
-def _cache_flush(module):
-    """A call that evicts `module`'s weights from the CPU's caches (reading a buffer twice the
-    last-level cache), or None where its dense weight alone is larger than that and a call
-    reads it from memory anyway."""
-    size = 2 * last_level_cache_bytes()
-    if module.weight.numel() * module.weight.element_size() >= size:
-        return None
-    buffer = torch.ones(size // 4, dtype=torch.float32)
-    return lambda: float(buffer.sum())
+class _CacheFlush:
+    """A call that evicts whatever the CPU's caches hold: a read of a buffer twice the
+    last-level cache (`bytes`), made once per load."""
+
+    def __init__(self):
+        self.bytes = 2 * last_level_cache_bytes()
+        self.buffer = torch.ones(self.bytes // 4, dtype=torch.float32)
+
+    def __call__(self):
+        float(self.buffer.sum())
+
 
 
 def last_level_cache_bytes(default=32 * 2**20):

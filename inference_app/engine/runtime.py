@@ -39,7 +39,7 @@ class ResidentModel:
         config = self.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", None) or 2048)
         self.vocab_size = int(config.vocab_size)
-        self.chat_template = loaded.chat_template or chat_templates.resolve(self.tokenizer, None)
+        self.chat_template = loaded.chat_template
         self.eos_ids = _eos_ids(self.model, self.tokenizer) | chat_templates.turn_end_ids(self.tokenizer, self.chat_template)
         # Whether generation sequences can share decode steps, and the start-up line's words for it.
         self.batches, self.decoding = decoding.batches(self.model.config)

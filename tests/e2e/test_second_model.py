@@ -134,8 +134,8 @@ ON_THE_MODEL = [case for case in hostile.CORPUS if case.path.startswith(MODEL_RO
 
 def on_this_model(case):
     """The case with the tiny model's id swapped for the chatting Gemma's."""
-    swap = lambda text: text.replace(hostile.MODEL_ID, CHATTING)  # noqa: E731
-    return dataclasses.replace(case, path=swap(case.path), body=swap(case.body) if isinstance(case.body, str) else case.body)
+    body = case.body.replace(hostile.MODEL_ID, CHATTING) if isinstance(case.body, str) else case.body
+    return dataclasses.replace(case, path=case.path.replace(hostile.MODEL_ID, CHATTING), body=body)
 
 
 def test_the_corpus_reaches_the_model_routes():

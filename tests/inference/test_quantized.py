@@ -303,10 +303,24 @@ def test_the_fingerprint_names_the_k_quant_file_and_that_its_projections_ran_pac
 def test_auto_times_each_call_with_the_caches_emptied_unless_the_weight_alone_overflows_them():
     """A decode step reads the whole model, so no projection's weight is still cached when it
     runs: timed hot, a small dense weight ran from the cache and beat the kernel."""
-    cache = quantized.last_level_cache_bytes()
-    assert cache >= 2**20  # this machine's sysfs names its caches; a megabyte at the least
-    small = torch.nn.Linear(64, 32, bias=False)
-    assert callable(quantized._cache_flush(small))
-    rows = 2 * cache // (64 * 4) + 1  # a float32 weight over twice the cache
-    large = torch.nn.Linear(64, rows, bias=False)
-    assert quantized._cache_flush(large) is None
+    flush = quantized._CacheFlush()
+    assert flush.bytes == 2 * quantized.last_level_cache_bytes() >= 2 * 2**20  # sysfs names this machine's caches
+    assert flush.buffer.numel() * 4 == flush.bytes
+    emptied = []
+
+    class Counted(quantized._CacheFlush):
+        def __call__(self):
+            emptied.append(1)
+
+    blocks = quants.quantize(np.random.default_rng(5).normal(size=(32, 64)).astype(np.float32), GGMLQuantizationType.Q4_0)
+    parts = quantized.halves(GGMLQuantizationType.Q4_0, blocks)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    linear.weight.data.copy_(quantized.dequantized(parts))
+    module = quantized.PackedLinear(linear, parts, None)
+    counted = Counted()
+    quantized._packed_width(module, counted, repeats=2)
+    assert len(emptied) >= 2 * 2  # before each timed call: kernel and dense, two repeats, at one row at least
+    emptied.clear()
+    counted.bytes = 1  # a weight larger than the caches: no call to empty them
+    quantized._packed_width(module, counted, repeats=2)
+    assert emptied == []
