@@ -136,10 +136,10 @@ def seated_rows(window, generates):
     return rows
 
 
-def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None):
+def execute_rows(runtime, endpoint, rows, probes=None, pack=False, give_way=None, reuse=False):
     """In the model thread: `rows` (PendingRows) through the engine's run (`run_rows`, which says
-    what `pack` and `give_way` do); a RowResult per row run. `probes`: {row id: specs or error}."""
-    runs = run_rows(runtime, [(pending.row.pk, pending.parsed) for pending in rows], probes, pack, give_way)
+    what `pack`, `give_way` and `reuse` do); a RowResult per row run. `probes`: {row id: specs or error}."""
+    runs = run_rows(runtime, [(pending.row.pk, pending.parsed) for pending in rows], probes, pack, give_way, reuse)
     by_id = {pending.row.pk: pending for pending in rows}
     if runs and executions.isEnabledFor(logging.INFO):  # off by default: no join per chunk
         first = by_id[runs[0].key].row

@@ -15,6 +15,7 @@ from files_app.models import File, IdempotencyKey
 from millm_lib.bodies import validate_body
 from millm_lib.errors import ApiError
 from millm_lib.ids import new_id
+from millm_lib.limits import PROBE_SCORE
 
 CODE = "invalid_batch_request"
 
@@ -31,6 +32,10 @@ def create_batch(body, lease_header=None, idempotency_key=None, project=None):
     if existing is not None:
         return Batch.objects.get(pk=existing)
     request = validate_body(BatchCreate, body, CODE)
+    pack = _default(request.pack, settings.BATCH_PACK_DEFAULT)
+    batched_decoding = _default(request.batched_decoding, settings.BATCH_DECODING_DEFAULT)
+    if request.prefix_reuse:
+        _check_prefix_reuse(request.endpoint, pack, batched_decoding)
     input_file = _input_file(request.input_file_id, project)
     lease = leasing.lease_for_new_batch(lease_header, input_file, request.endpoint, project)
     now = timezone.now()
@@ -39,9 +44,9 @@ def create_batch(body, lease_header=None, idempotency_key=None, project=None):
         completion_window=request.completion_window, created_at=now,
         expires_at=now + timedelta(hours=int(request.completion_window[:-1])), metadata=request.metadata,
         output_expires_after=request.output_expires_after.seconds if request.output_expires_after else None,
-        pack=_default(request.pack, settings.BATCH_PACK_DEFAULT),
+        pack=pack,
         pack_window=_default(request.pack_window, settings.BATCH_PACK_WINDOW_DEFAULT),
-        batched_decoding=_default(request.batched_decoding, settings.BATCH_DECODING_DEFAULT),
+        batched_decoding=batched_decoding, prefix_reuse=bool(request.prefix_reuse),
         lease=lease, lease_mode=leasing.CALLER if lease else None, project=project,
     )
     try:
@@ -52,6 +57,21 @@ def create_batch(body, lease_header=None, idempotency_key=None, project=None):
             raise
         return Batch.objects.get(pk=existing)
     return batch
+
+
+def _check_prefix_reuse(endpoint, pack, batched_decoding):
+    """Reuse runs a shared prefix once and each row after it: rows that run in packs (`pack`) or
+    in seats (`batched_decoding`). A row run alone keeps its promise of equalling the synchronous
+    answer bit for bit, so reuse without either is refused, as on a probe batch, whose rows
+    always run alone, and where the engines hold no prefix (MILLM_PREFIX_CACHE_MB=0)."""
+    if endpoint == PROBE_SCORE:
+        raise refuse(f"prefix_reuse does not apply to {PROBE_SCORE}: its rows always run alone", "prefix_reuse")
+    if not (pack or batched_decoding):
+        raise refuse("prefix_reuse needs pack: true (scoring and embedding rows) or batched_decoding: true "
+                     "(generation rows): a row run alone equals the synchronous answer bit for bit, and reuse "
+                     "would break that", "prefix_reuse")
+    if settings.MILLM_PREFIX_CACHE_MB == 0:
+        raise refuse("prefix_reuse needs a prefix cache, and MILLM_PREFIX_CACHE_MB is 0", "prefix_reuse")
 
 
 def _default(value, default):

@@ -19,7 +19,8 @@ def _families():
             labels=["endpoint", "outcome"],
         ),
         "tokens": GaugeMetricFamily(
-            "millm_batch_tokens", "Tokens of the batches in the database: prompt (input) and generated (output)",
+            "millm_batch_tokens", "Tokens of the batches in the database: prompt (input), of them a cached "
+                                  "prefix's (cached, prefix_reuse), and generated (output)",
             labels=["kind"],
         ),
         "rate": GaugeMetricFamily(
@@ -52,8 +53,8 @@ class BatchCollector:
         counted = BatchRow.objects.order_by().values_list("batch__endpoint", "outcome").annotate(n=Count("id"))
         for endpoint, outcome, count in counted:
             families["rows"].add_metric([endpoint, outcome], count)
-        tokens = Batch.objects.aggregate(input=Sum("input_tokens"), output=Sum("output_tokens"))
-        for kind in ("input", "output"):
+        tokens = Batch.objects.aggregate(input=Sum("input_tokens"), cached=Sum("cached_tokens"), output=Sum("output_tokens"))
+        for kind in ("input", "cached", "output"):
             families["tokens"].add_metric([kind], tokens[kind] or 0)
         now = timezone.now()
         running = Batch.objects.filter(status=Batch.Status.IN_PROGRESS, in_progress_at__isnull=False).only(

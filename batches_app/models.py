@@ -231,12 +231,15 @@ class Batch(models.Model):
     completed = models.IntegerField(default=0)
     failed = models.IntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)  # input tokens a cached prefix held (prefix_reuse)
     output_tokens = models.BigIntegerField(default=0)
     metadata = models.JSONField(null=True, blank=True)
     errors = models.JSONField(null=True, blank=True)
     pack = models.BooleanField(default=False)
     pack_window = models.IntegerField(default=0)
     batched_decoding = models.BooleanField(default=False)
+    # Shared prefixes from the engine's prefix cache (issue 45): packed rows and seated generation.
+    prefix_reuse = models.BooleanField(default=False)
     output_expires_after = models.IntegerField(null=True, blank=True)
     lease = models.ForeignKey(Lease, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     lease_mode = models.CharField(max_length=8, null=True, blank=True)  # leasing.OWN | leasing.CALLER
@@ -401,7 +404,7 @@ class Batch(models.Model):
             metadata=self.metadata,
             usage=BatchUsage(
                 input_tokens=self.input_tokens,
-                input_tokens_details=CachedTokens(cached_tokens=0),
+                input_tokens_details=CachedTokens(cached_tokens=self.cached_tokens),
                 output_tokens=self.output_tokens,
                 output_tokens_details=ReasoningTokens(reasoning_tokens=0),
                 total_tokens=self.input_tokens + self.output_tokens,
@@ -410,6 +413,7 @@ class Batch(models.Model):
                 pack=self.pack,
                 pack_window=self.pack_window,
                 batched_decoding=self.batched_decoding,
+                prefix_reuse=self.prefix_reuse,
                 waiting_reason=self.waiting_reason if self.status == self.Status.IN_PROGRESS else None,
                 lease_mode=self.lease_mode,
                 output_expires_after=self.output_expires_after,
@@ -492,13 +496,15 @@ class Batch(models.Model):
                 completed=F("completed") + len(succeeded),
                 failed=F("failed") + len(results) - len(succeeded),
                 input_tokens=F("input_tokens") + sum(usage.get("prompt_tokens", 0) for usage in succeeded),
+                cached_tokens=F("cached_tokens") + sum(cached_tokens(usage) for usage in succeeded),
                 output_tokens=F("output_tokens") + sum(usage.get("completion_tokens", 0) for usage in succeeded),
                 waiting_reason=None,
             )
             for result in results:
                 if result.kept is not None:  # a /v1/responses row that asked to be stored
                     StoredResponse.keep(result.response, result.kept, self.project)
-        self.refresh_from_db(fields=["completed", "failed", "input_tokens", "output_tokens", "waiting_reason", "status"])
+        self.refresh_from_db(fields=["completed", "failed", "input_tokens", "cached_tokens", "output_tokens",
+                                     "waiting_reason", "status"])
 
     # --- validation's writes, fenced by the claim token ---
 
@@ -693,6 +699,11 @@ class BatchRowQuerySet(models.QuerySet):
             return {row[0] for row in cursor.fetchall()}
 
 
+def cached_tokens(usage):
+    """A row's prompt tokens that a cached prefix held (its usage's prompt_tokens_details)."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 def _jsonb(value):
     """A JSONField value as the UPDATE's parameter: None is SQL NULL, as Django stores it."""
     return None if value is None else json.dumps(value)
@@ -764,7 +775,9 @@ class BatchRow(models.Model):
         line_id = new_id("batch_req_")
         if self.outcome == self.Outcome.SUCCEEDED:
             response = {"status_code": 200, "request_id": self.request_id, "body": self.response,
-                        "millm": {"packed": self.packed, "batched": self.batched, "headers": self.headers or {}}}
+                        "millm": {"packed": self.packed, "batched": self.batched,
+                                  "prefix_tokens_reused": cached_tokens((self.response or {}).get("usage") or {}),
+                                  "headers": self.headers or {}}}
             return True, {"id": line_id, "custom_id": self.custom_id, "response": response, "error": None}
         if self.outcome == self.Outcome.FAILED:
             response = {"status_code": self.error["status"], "request_id": self.request_id, "body": self.response}

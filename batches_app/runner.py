@@ -87,7 +87,10 @@ class BatchRunner:
                     continue
                 await sync_to_async(self._sweep)()
                 batch, role, verdict = await sync_to_async(claim_to_run)(self.worker)
-                if batch is None or await self._process(batch, role, verdict) == "waiting":
+                outcome = None if batch is None else await self._process(batch, role, verdict)
+                if outcome == "ended":
+                    self._forget_prefixes(batch)
+                if outcome in (None, "waiting"):
                     await self.worker.nap(settings.BATCH_WAIT_POLL_S)
             except FencedOut as fenced:
                 log.warning("fenced out of %s: another engine claimed it, or it is ending", fenced)
@@ -103,6 +106,14 @@ class BatchRunner:
             finally:
                 if batch is not None:
                     await sync_to_async(self._let_go_of_rows)(batch)
+
+    def _forget_prefixes(self, batch):
+        """The batch ended: the shared prefixes it computed leave the engine's prefix cache now."""
+        runtime = self.worker.runtime
+        if batch.prefix_reuse and runtime is not None:
+            dropped = runtime.prefix_cache.drop(batch.pk)
+            if dropped:
+                log.info("%s ended: %d cached prefix(es) it computed dropped", batch.pk, dropped)
 
     def _let_go_of_rows(self, batch):
         """Done with `batch` for now: our claims on its rows not recorded end, so any replica runs
@@ -211,7 +222,7 @@ class BatchRunner:
         if batch.endpoint == PROBE_SCORE:
             probes = await sync_to_async(self._probes_of)(batch, rows)
         results = await seating.exclusive(
-            batch.model, execute_rows, batch.endpoint, rows, probes, batch.pack, seating.give_way
+            batch.model, execute_rows, batch.endpoint, rows, probes, batch.pack, seating.give_way, _reuse(batch)
         )
         if results is NOT_RUN:
             results = []  # a swap or a weights edit took the slot first: the next check makes the batch wait
@@ -252,7 +263,8 @@ class BatchRunner:
         seating = self.worker.seating
         for pending in rows:
             self.seated[pending.row.pk] = asyncio.create_task(
-                seating.seated(batch.model, execute_rows, batch.endpoint, [pending], choices=pending.choices)
+                seating.seated(batch.model, execute_rows, batch.endpoint, [pending], choices=pending.choices,
+                               reuse_prefix=_reuse(batch))
             )
         done, _ = await asyncio.wait(set(self.seated.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         results, not_run = [], []
@@ -334,3 +346,9 @@ class BatchRunner:
         eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
         log.info("batch %s: %d/%d rows, %.1f rows/s, ETA %s", batch.pk, done, batch.total, rate, eta)
         self.progress_log[batch.pk] = (started, done_then, now)
+
+
+def _reuse(batch):
+    """What a batch's rows run with: its id, which the prefixes they compute belong to, when it
+    reuses prefixes; else False."""
+    return batch.pk if batch.prefix_reuse else False

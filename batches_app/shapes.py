@@ -52,6 +52,7 @@ class BatchMillm(Shape):
     pack: bool
     pack_window: int
     batched_decoding: bool
+    prefix_reuse: bool
     waiting_reason: Literal["queued", "model_not_resident", "lease_unavailable", "weights_torn"] | None
     lease_mode: Literal["own", "caller"] | None
     output_expires_after: int | None
@@ -129,6 +130,8 @@ class BatchCreate(BaseModel):
     pack: bool | None = Field(None, description="default BATCH_PACK_DEFAULT")
     pack_window: Annotated[int, Field(ge=0, le=PACK_WINDOW_MAX, description="rows; BATCH_PACK_WINDOW_MAX")] | None = None
     batched_decoding: bool | None = Field(None, description="default BATCH_DECODING_DEFAULT")
+    prefix_reuse: bool | None = Field(None, description="shared prefixes computed once (with pack or batched_decoding); "
+                                                        "default false")
 
     UNKNOWN: ClassVar[str] = "Unknown field '{name}'; a batch takes {known}"
     REFUSALS: ClassVar[dict] = {
@@ -146,6 +149,7 @@ class BatchCreate(BaseModel):
         "pack_window": ("pack_window", "pack_window must be a whole number from 0 to {pack_window_max} "
                                        "(BATCH_PACK_WINDOW_MAX), got {got}"),
         "batched_decoding": ("batched_decoding", "batched_decoding must be true or false, got {got}"),
+        "prefix_reuse": ("prefix_reuse", "prefix_reuse must be true or false, got {got}"),
     }
     LIMITS: ClassVar[dict] = {
         "endpoints": ", ".join(BATCH_ENDPOINTS), "window_max": WINDOW_MAX_HOURS, "expires_min": EXPIRES_AFTER_MIN_S,

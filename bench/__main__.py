@@ -26,8 +26,9 @@ import time
 from bench.common import RESULTS, ROOT, machine
 
 PARTS = ["pipeline", "overhead", "interactive", "interactive-batched", "roundtrip", "packing", "memory", "generation",
-         "concurrency", "decoders", "grammar", "cpu_levers", "retention", "replicas", "peers"]
-RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "peers", "replicas",
+         "concurrency", "decoders", "grammar", "cpu_levers", "retention", "replicas", "peers", "prefix"]
+RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "retention", "concurrency", "peers", "prefix",
+             "replicas",
              "overhead", "roundtrip", "memory", "packing", "decoders", "grammar", "cpu_levers"]
 # The model of each part's web and engine processes in the full run (--quick: all tiny). Not
 # concurrency: it starts its own stacks (two engine settings) and llama.cpp, one at a time, so
@@ -69,6 +70,7 @@ def sizes(part, quick, tiny):
             "retention": ["--rows", "10000"],
             "replicas": ["--rows", "240", "--max-tokens", "16", "--scoring-rows", "1200", "--repeats", "3"],
             "peers": ["--modes", "auto", "--repeats", "3"],
+            "prefix": ["--repeats", "3"],
         }[part]
     model = ["--model", tiny]
     return {
@@ -90,6 +92,8 @@ def sizes(part, quick, tiny):
                      *model],
         "peers": ["--modes", "--repeats", "1", "--one-chat-tokens", "4", "--chat-tokens", "4", "--generation-rows", "4",
                   "--scoring-rows", "8", "--embedding-inputs", "8", *model],
+        "prefix": ["--repeats", "1", "--scoring-rows", "8", "--instruction-tokens", "40", "--generation-rows", "4",
+                   "--system-tokens", "40", "--max-tokens", "4", "--turn-tokens", "4", "--quality-rows", "4", *model],
     }[part]
 
 

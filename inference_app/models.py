@@ -354,6 +354,9 @@ class Engine(models.Model):
     sequences_running = models.PositiveIntegerField(default=0, help_text="Sequences the step scheduler decodes (0 on a serial engine).")
     queue_waits_total = models.BigIntegerField(default=0, help_text="Interactive requests granted a seat.")
     queue_wait_seconds_total = models.FloatField(default=0.0, help_text="The seconds they waited for it, in all.")
+    prefix_tokens_reused_total = models.BigIntegerField(
+        default=0, help_text="Prompt tokens this engine process served from a cached prefix (prefix reuse).")
+    prefix_cache_bytes = models.BigIntegerField(default=0, help_text="Bytes its prefix cache holds now.")
     seat = models.PositiveIntegerField(null=True, blank=True, help_text="Its model's replica seat, while active (SPEC 10c).")
     batch_work = models.JSONField(null=True, blank=True, help_text="The batch it runs rows of: {batch, role, rows_run}.")
 

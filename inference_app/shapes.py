@@ -17,10 +17,15 @@ WeightsFlag = Literal["clean", "torn"]
 # --- /v1 inference ---
 
 
+class PromptTokensDetails(Shape):
+    cached_tokens: int  # the prompt's tokens a cached prefix held (prefix reuse), not run again
+
+
 class Usage(Shape):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: NotRequired[PromptTokensDetails]  # only where a prefix was reused
 
 
 class TopLogprob(Shape):
@@ -159,6 +164,7 @@ class Embedding(Shape):
 class EmbeddingUsage(Shape):
     prompt_tokens: int
     total_tokens: int
+    prompt_tokens_details: NotRequired[PromptTokensDetails]  # only where a prefix was reused
 
 
 class EmbeddingList(Shape):

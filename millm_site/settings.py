@@ -150,6 +150,12 @@ MILLM_WEIGHTS = envchoice("MILLM_WEIGHTS", "auto", ["auto", "dense", "quantized"
 # `decode`: the scheduler's decode steps run through torch.compile, compiled at load
 # (inference_app/engine/compiled.py); `off` runs every forward pass eagerly.
 MILLM_COMPILE = envchoice("MILLM_COMPILE", "off", ["off", "decode"])
+# Shared prefixes' keys and values held for reuse (inference_app/engine/prefix_cache.py), per
+# engine, least recently used dropped first; 0 turns reuse off everywhere.
+MILLM_PREFIX_CACHE_MB = envint("MILLM_PREFIX_CACHE_MB", 256, minimum=0)
+# Interactive generation (seated) prefills from the longest cached prefix of its prompt. Not bit
+# for bit a lone prefill, so opt-in, as a batch's `prefix_reuse` is.
+MILLM_PREFIX_REUSE = envbool("MILLM_PREFIX_REUSE", False)
 MILLM_STORAGE = envchoice("MILLM_STORAGE", "filesystem", ["filesystem", "s3"])
 MILLM_API_KEYS = envlist("MILLM_API_KEYS")
 # Browser origins other than the site's own that may open the WebSocket and Socket.IO

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from inference_app.engine.prefix_cache import block_floor, owner_of
+
 # The layer kinds of a config's `layer_types` that the merged cache holds (as whole layers).
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
@@ -64,10 +66,31 @@ class BatchedDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids):
         """One prompt alone: (its cache, the float32 logits at its last token)."""
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        cache = {"cache": DynamicCache()} if self.whole_layers else {}
+        cache, logits, _ = self.prefill_reusing(prompt_ids, reuse=False)
+        return cache, logits
+
+    @torch.inference_mode()
+    def prefill_reusing(self, prompt_ids, reuse=True):
+        """`prefill`, and how many of the prompt's tokens a cached prefix held. With `reuse`
+        (whole layers only), the prompt begins from the longest prefix of it the prefix cache
+        holds, and leaves its own whole blocks there for the next prompt that begins the same
+        way (a repeated system prompt, a chat's next turn): `reuse` true, or the batch's id they
+        belong to (prefix_cache.PrefixCache.drop)."""
+        prefix_cache = self.runtime.prefix_cache
+        owner = owner_of(reuse)
+        reuse = bool(reuse) and self.whole_layers and prefix_cache.enabled
+        held = prefix_cache.longest(prompt_ids, len(prompt_ids) - 1) if reuse else None
+        start = 0 if held is None else len(held.tokens)
+        ids = torch.tensor([prompt_ids[start:]], dtype=torch.long, device=self.device)
+        cache = {"cache": DynamicCache() if held is None else held.as_cache(1)} if self.whole_layers else {}
         out = self.runtime.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
-        return out.cache, out.logits[0, -1].float()
+        if reuse:
+            prefix_cache.count(start)
+            keep = block_floor(len(prompt_ids) - 1)
+            if keep > start:
+                prefix_cache.put(prompt_ids[:keep], [(layer.keys[:, :, :keep], layer.values[:, :, :keep])
+                                                     for layer in out.cache.layers], owner)
+        return out.cache, out.logits[0, -1].float(), start
 
     @staticmethod
     def mergeable(cache):

@@ -23,6 +23,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
+from inference_app.engine import prefix_cache
 from inference_app.models import Engine, Lease, ModelEntry
 from millm_lib.db import conninfo
 
@@ -183,6 +184,8 @@ class Presence:
             "sequences_running": len(worker.seating.scheduler.live),
             "queue_waits_total": worker.slot.waits,
             "queue_wait_seconds_total": worker.slot.wait_seconds,
+            "prefix_tokens_reused_total": prefix_cache.tokens_reused_total(),
+            "prefix_cache_bytes": runtime.prefix_cache.nbytes if runtime else 0,
             "estimated_wait_seconds": worker.slot.estimated_wait_seconds(),
             "batch_work": worker.batch_work,
         }

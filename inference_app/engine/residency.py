@@ -312,7 +312,7 @@ class Residency:
                     )
                 tensors = weights.read_tensors(weight_uploads.read(message["upload"]))
                 written = weights.write(runtime.model, tensors)
-                runtime.refresh_fingerprint()  # the edit may have unpacked the last packed projection
+                runtime.weights_changed()
                 log.info("wrote %d tensor(s) of %s", len(written), runtime.model_id)
                 return WeightsState(model=runtime.model_id, weights=ModelEntry.Weights.TORN, written=written)
             if self.weights_torn:

@@ -25,19 +25,20 @@ class RowRun:
     packed: bool
 
 
-def run_rows(runtime, rows, probes=None, pack=False, give_way=None):
+def run_rows(runtime, rows, probes=None, pack=False, give_way=None, reuse=False):
     """`rows`: (key, parsed request or ApiError) pairs; `probes`: {key: the probe specs a
     probe-score row scores, or the ApiError it fails with}. Returns a RowRun per row run, in order.
 
     `give_way()` is asked before each single row after the first: when it says yes (a chat is
     waiting), the chunk ends there and only the rows before it are returned, the rest left for the
-    next chunk. A chunk with packs runs whole (its packs are already computed)."""
+    next chunk. A chunk with packs runs whole (its packs are already computed). `reuse`: each
+    pack's shared prefix from the engine's prefix cache (packing.py)."""
     outcomes = {key: parsed for key, parsed in rows if isinstance(parsed, ApiError)}
     packed = [(key, parsed) for key, parsed in rows
               if pack and not isinstance(parsed, ApiError) and services.is_packable(parsed)]
     if packed:
         try:
-            for (key, _), outcome in zip(packed, packing.run_packed(runtime, [parsed for _, parsed in packed])):
+            for (key, _), outcome in zip(packed, packing.run_packed(runtime, [parsed for _, parsed in packed], reuse)):
                 outcomes[key] = outcome
         except Exception:
             log.exception("a pack of %d rows failed; its rows run one at a time", len(packed))

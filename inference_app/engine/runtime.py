@@ -14,6 +14,7 @@ from django.conf import settings
 
 from inference_app import chat_templates
 from inference_app.engine import compiled, decoding, quantized
+from inference_app.engine.prefix_cache import PrefixCache
 from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
 from inference_app import tools as chat_tools
@@ -47,6 +48,8 @@ class ResidentModel:
         # What the scheduler's decode steps call: the model itself, or its compiled forward.
         self.decode_forward = self.model
         self.fingerprint = self._fingerprint()
+        # Shared prefixes' keys and values (prefix_cache.py): this model's own, dropped with it.
+        self.prefix_cache = PrefixCache(settings.MILLM_PREFIX_CACHE_MB * 2**20)
         if settings.MILLM_COMPILE == "decode":
             self.compile_decode_step()
 
@@ -65,6 +68,12 @@ class ResidentModel:
     def refresh_fingerprint(self):
         """After a rename or an edit that ran a packed projection dense."""
         self.fingerprint = self._fingerprint()
+
+    def weights_changed(self):
+        """A weight edit wrote tensors: no cached prefix holds these weights' keys and values,
+        and the fingerprint may change (the edit may have unpacked the last packed projection)."""
+        self.prefix_cache.clear()
+        self.refresh_fingerprint()
 
     def _fingerprint(self):
         loaded = self.loaded
@@ -182,7 +191,13 @@ class ResidentModel:
             return int(order[choice])
         return int(torch.multinomial(probs, 1, generator=generator))
 
-    def _right_padded(self, sequences):
+    def _right_padded(self, sequences, prefix=None):
+        """One right-padded forward pass over `sequences`; with `prefix` (a CachedPrefix every
+        sequence begins with), over what follows it only, the prefix's keys and values in the
+        cache. Returns the hidden states, each sequence's own length (after the prefix) and the
+        padding mask."""
+        start = 0 if prefix is None else len(prefix.tokens)
+        sequences = [sequence[start:] for sequence in sequences]
         lengths = torch.tensor([len(ids) for ids in sequences], device=self.device)
         width = int(lengths.max())
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -191,25 +206,35 @@ class ResidentModel:
         for row, sequence in enumerate(sequences):
             ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long, device=self.device)
             mask[row, : len(sequence)] = 1
-        # Right padding: real tokens keep positions 0..n-1 and never attend to padding, which
-        # only ever follows them.
-        hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        # Right padding: real tokens keep positions 0..n-1 (after a prefix, its length onwards) and
+        # never attend to padding, which only ever follows them.
+        if prefix is None:
+            hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        else:
+            seen = torch.ones((len(sequences), start), dtype=torch.long, device=self.device)
+            hidden = self.model.base_model(input_ids=ids, attention_mask=torch.cat([seen, mask], dim=1),
+                                           cache=prefix.as_cache(len(sequences)), use_cache=True).last_hidden_state
         return hidden, lengths, mask
 
     @torch.inference_mode()
-    def packed_last_logits(self, sequences):
-        """Logits at each sequence's own last real token, from one right-padded forward pass.
+    def packed_last_logits(self, sequences, prefix=None):
+        """Logits at each sequence's own last real token, from one right-padded forward pass
+        (after `prefix`, a CachedPrefix they all begin with, when given).
 
         The head runs only at the gathered positions, never over the whole pack.
         """
-        hidden, lengths, _ = self._right_padded(sequences)
+        hidden, lengths, _ = self._right_padded(sequences, prefix)
         gathered = hidden[torch.arange(len(sequences), device=self.device), lengths - 1]
         return list(self.model.get_output_embeddings()(gathered).float())
 
     @torch.inference_mode()
-    def packed_embed(self, sequences, pooling, normalize):
-        """Each sequence pooled over its own tokens (by the attention mask), as float32."""
-        hidden, lengths, mask = self._right_padded(sequences)
+    def packed_embed(self, sequences, pooling, normalize, prefix=None):
+        """Each sequence pooled over its own tokens (by the attention mask), as float32. A
+        `prefix` (the sequences' shared CachedPrefix) only with `last` pooling, which reads one
+        token after it."""
+        if prefix is not None and pooling != "last":
+            raise ValueError(f"{pooling} pooling reads the prefix's own hidden states")
+        hidden, lengths, mask = self._right_padded(sequences, prefix)
         hidden = hidden.float()
         if pooling == "mean":
             weights = mask.unsqueeze(-1).to(hidden.dtype)

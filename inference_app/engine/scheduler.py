@@ -49,8 +49,11 @@ _NOT_SEATED = frozenset({"last_logits", "packed_last_logits", "packed_embed", "e
 
 class Sequence:
     def __init__(self, runtime, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled, interactive,
-                 controls=None, prefill_key=None):
+                 controls=None, prefill_key=None, reuse_prefix=False):
         self.runtime = runtime
+        # Its prefill may begin from a cached prefix of its prompt (prefix_cache.py), and says how much did.
+        self.reuse_prefix = reuse_prefix
+        self.prefix_tokens_reused = 0
         # Sequences with the same key (a request's `n` choices) share one prefill when they join together.
         self.prefill_key = prefill_key
         self.controls = controls  # its sampling controls (controls.Controls), or None
@@ -287,11 +290,16 @@ class StepScheduler:
         key = (sequence.prefill_key, tuple(context)) if sequence.prefill_key is not None else None
         try:
             if key in prefilled:
-                cache, logits = _copied(prefilled[key])
+                cache, logits, sequence.prefix_tokens_reused = _copied(prefilled[key])
             else:
-                cache, logits = lane.decoder.prefill(context)
+                if sequence.reuse_prefix:
+                    cache, logits, sequence.prefix_tokens_reused = lane.decoder.prefill_reusing(
+                        context, sequence.reuse_prefix)
+                else:
+                    cache, logits = lane.decoder.prefill(context)
                 if key is not None:
-                    prefilled[key] = _copied((cache, logits))  # before the merge makes it the lane's
+                    # before the merge makes it the lane's
+                    prefilled[key] = _copied((cache, logits, sequence.prefix_tokens_reused))
             lane.decoder.merges = BatchedDecoder.mergeable(cache)
             if lane.live and not lane.decoder.merges:
                 return _WAIT
@@ -399,12 +407,14 @@ class SeatedRuntime:
     everything else is the resident model's own. Remembers whether any of its sequences shared
     a step (the request's X-miLLM-Backend)."""
 
-    def __init__(self, runtime, scheduler, interactive, stopped=lambda: False):
-        """`stopped()`: true once the seat's holder gave up (its sequences end at the next step)."""
+    def __init__(self, runtime, scheduler, interactive, stopped=lambda: False, reuse_prefix=False):
+        """`stopped()`: true once the seat's holder gave up (its sequences end at the next step).
+        `reuse_prefix`: its prefills may begin from a cached prefix (prefix_cache.py)."""
         self._runtime = runtime
         self._scheduler = scheduler
         self._interactive = interactive
         self._stopped = stopped
+        self._reuse_prefix = reuse_prefix
         self.sequences = []
 
     def __getattr__(self, name):
@@ -420,6 +430,11 @@ class SeatedRuntime:
     def shared_at_first_token(self):
         return any(sequence.shared_at_first_token for sequence in self.sequences)
 
+    @property
+    def prefix_tokens_reused(self):
+        """The prompt's tokens a cached prefix held (its choices share one prompt)."""
+        return max((sequence.prefix_tokens_reused for sequence in self.sequences), default=0)
+
     def generate(self, prompt_ids, max_new_tokens, temperature, top_p, seed, cancelled=lambda: False, controls=None):
         [tokens] = self.generate_choices(prompt_ids, max_new_tokens, temperature, top_p, [seed], cancelled, [controls])
         yield from tokens
@@ -431,7 +446,7 @@ class SeatedRuntime:
         stopped, key = self._stopped, object()
         sequences = [Sequence(self._runtime, prompt_ids, max_new_tokens, temperature, top_p, seed,
                               lambda: cancelled() or stopped(), self._interactive, choice_controls,
-                              prefill_key=key if len(seeds) > 1 else None)
+                              prefill_key=key if len(seeds) > 1 else None, reuse_prefix=self._reuse_prefix)
                      for seed, choice_controls in zip(seeds, controls or [None] * len(seeds))]
         if max_new_tokens <= 0 or self._stopped():
             return [iter(()) for _ in sequences]

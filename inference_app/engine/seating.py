@@ -53,18 +53,20 @@ class Seating:
         """`function(runtime, *args)` in the model thread, holding the whole model."""
         return await self.run(model_id, function, *args, interactive=interactive)
 
-    async def seated(self, model_id, function, *args, interactive=False, choices=1):
+    async def seated(self, model_id, function, *args, interactive=False, choices=1, reuse_prefix=False):
         """`function(seated runtime, *args)` in a service thread, holding a seat per choice."""
-        return await self.run(model_id, function, *args, interactive=interactive, shared=True, choices=choices)
+        return await self.run(model_id, function, *args, interactive=interactive, shared=True, choices=choices,
+                              reuse_prefix=reuse_prefix)
 
     async def run(self, model_id, function, *args, interactive=False, shared=False, cancelled=None, deadline=None,
-                  on_start=None, choices=1):
+                  on_start=None, choices=1, reuse_prefix=False):
         """`function(runtime, *args)` holding the whole model (in the model thread) or, `shared`,
         a seat per choice (`choices`: the request's `n`; in a service thread, the runtime a
         SeatedRuntime that stops once `cancelled` is set). An interactive hold counts against the pending limit (QueueFull). `deadline` (a
         time.time()): TimeoutError if the hold is not granted by then. `on_start()` is called
         once the function is about to run. NOT_RUN (the hold given back at once) when the model is
-        not resident with clean weights by the time the hold is granted."""
+        not resident with clean weights by the time the hold is granted. `reuse_prefix`: a seated
+        runtime's prefills may begin from a cached prefix (prefix_cache.py)."""
         cancelled = cancelled or threading.Event()
         async with asyncio.timeout(None if deadline is None else deadline - time.time()):
             await self.slot.acquire(interactive, interactive, shared, choices)
@@ -75,7 +77,7 @@ class Seating:
             if runtime is None:
                 return NOT_RUN
             if shared:
-                runtime = SeatedRuntime(runtime, self.scheduler, interactive, cancelled.is_set)
+                runtime = SeatedRuntime(runtime, self.scheduler, interactive, cancelled.is_set, reuse_prefix)
             if on_start is not None:
                 on_start()
             ran = True

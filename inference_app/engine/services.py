@@ -45,6 +45,7 @@ from inference_app.shapes import (
     ProbeResult,
     ProbeScores,
     ProbeVerdict,
+    PromptTokensDetails,
     ScoredModel,
     TokenLogprob,
     TopLogprob,
@@ -72,10 +73,21 @@ def run(runtime, parsed, cancelled=never_cancelled, probes=None):
     if parsed.endpoint == PROBE_SCORE:
         return probe_score(runtime, parsed, probes)
     if parsed.endpoint == CHAT:
-        return chat_completion(runtime, parsed, cancelled)
-    if parsed.endpoint == COMPLETIONS:
-        return completion(runtime, parsed, cancelled)
-    return embeddings(runtime, parsed)
+        result = chat_completion(runtime, parsed, cancelled)
+    elif parsed.endpoint == COMPLETIONS:
+        result = completion(runtime, parsed, cancelled)
+    else:
+        return embeddings(runtime, parsed)
+    # A seated generation's prefill may have begun from a cached prefix (prefix_cache.py).
+    return with_reuse(result, getattr(runtime, "prefix_tokens_reused", 0))
+
+
+def with_reuse(result, tokens):
+    """`result` saying that `tokens` of its prompt were a cached prefix's, not run again (the
+    usage's `prompt_tokens_details.cached_tokens`, as OpenAI reports its own prompt caching)."""
+    if tokens:
+        result.body["usage"]["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=tokens)
+    return result
 
 
 def stream(runtime, parsed, cancelled=never_cancelled):

@@ -17,6 +17,7 @@ import time
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from django.conf import settings
 
 from inference_app.catalogue import check_request_may_load, model_not_found, model_not_loaded
 from inference_app.engine import services
@@ -187,7 +188,8 @@ class Serving:
 
         return await self.worker.seating.run(wanted, *work, interactive=True, shared=shared,
                                              cancelled=flight.cancelled, deadline=message["deadline"], on_start=started,
-                                             choices=getattr(parsed.request, "n", 1))
+                                             choices=getattr(parsed.request, "n", 1),
+                                             reuse_prefix=settings.MILLM_PREFIX_REUSE)
 
     def _pump_stream(self, runtime, parsed, cancelled, reply, loop):
         """Runs in the model or a service thread: generate chunks and send each as it is made.

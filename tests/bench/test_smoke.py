@@ -13,9 +13,9 @@ from bench.peers import WORK
 
 
 # The parts that start servers of their own (concurrency: two stacks and llama.cpp; replicas: two
-# stacks; peers: a stack and llama.cpp) took two thirds of the quick run: they run with `-m slow`.
+# stacks; peers and prefix: stacks and llama.cpp) took two thirds of the quick run: they run with `-m slow`.
 # The rest share one tiny stack (or none) and run in `make test`.
-OWN_SERVERS = ["concurrency", "replicas", "peers"]
+OWN_SERVERS = ["concurrency", "replicas", "peers", "prefix"]
 SHARED = [part for part in suite.PARTS if part not in OWN_SERVERS]
 
 
@@ -63,6 +63,12 @@ def test_the_parts_with_servers_of_their_own_run_at_a_tiny_size_and_report_each_
     if peers["llamacpp"]:  # every work but synchronous scoring (this server's own) on llama.cpp too
         assert set(peers["medians"]["llama.cpp"]) == set(WORK) - {"sync_scoring"}
         assert peers["quality"]["llama.cpp"]["rows"] == 8 and peers["quality"]["llama.cpp"]["greedy_rows"] == 4
+    prefix = summary["parts"]["prefix"]
+    for server in ["reuse off", "reuse on"] + (["llama.cpp"] if prefix["llamacpp"] else []):
+        assert set(prefix["medians"][server]) == {"scoring_job", "generation_job", "third_turn_s"}, server
+        assert all(value > 0 for value in prefix["medians"][server].values()), server
+    # float32 on the tiny model: reuse changes no top token (the part's own exactness check).
+    assert prefix["quality"]["float32"]["reuse"]["top_token_changed"] == 0
 
 
 def test_first_difference_is_the_first_differing_index_or_the_shorter_length():

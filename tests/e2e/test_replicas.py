@@ -131,6 +131,32 @@ def test_two_replicas_each_run_part_of_one_batch_and_chats_spread_over_them(repl
     assert sum(answered.values()) == 8 and all(count > 0 for count in answered.values()), answered
 
 
+def test_prefix_reuse_on_two_replicas_each_engine_from_its_own_cache(replicas):
+    """Issue 45: each engine holds its own prefixes; rows run on either engine reuse the shared
+    instruction and answer as the synchronous request does (no wrong reuse across engines)."""
+    stack, client = replicas, replicas.client
+    instruction = "Label the text as positive or negative, weighing every word and the tone of it. " * 3
+    lines = scoring_lines(48)
+    for index, row in enumerate(lines):
+        row["body"]["prompt"] = f"{instruction}Text: item {index} is here.\nLabel:"
+    batch = start_batch(client, lines, COMPLETIONS, extra_body={"pack": True, "prefix_reuse": True})
+    done = wait_for(client, batch.id, timeout=180)
+    assert done.status == "completed" and done.request_counts.completed == 48
+    per_engine = rows_per_engine(stack, batch.id)
+    assert len(per_engine) == 2 and min(per_engine.values()) > 0, per_engine
+    output = every_custom_id_once(stack, done, 48)
+    assert all(row["response"]["millm"]["prefix_tokens_reused"] >= 32 for row in output)
+    for row in output[::7]:
+        index = int(row["custom_id"].rpartition("-")[2])
+        sync = httpx.post(stack.web.url + COMPLETIONS, json=lines[index]["body"]).json()["choices"][0]["logprobs"]
+        mine = row["response"]["body"]["choices"][0]["logprobs"]
+        assert mine["tokens"] == sync["tokens"]
+        assert abs(mine["token_logprobs"][0] - sync["token_logprobs"][0]) < 1e-4
+    time.sleep(1.5)  # the next heartbeats carry the counts
+    reused = dict(stack.sql("SELECT id, prefix_tokens_reused_total FROM inference_app_engine WHERE role = 'active'"))
+    assert len(reused) == 2 and all(tokens > 0 for tokens in reused.values()), reused
+
+
 def test_three_replicas_each_run_part_of_one_batch(replicas):
     stack = replicas
     stack.replicas.append(stack.start_engine())
