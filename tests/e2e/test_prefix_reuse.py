@@ -130,7 +130,8 @@ def settled_cache_bytes(url, wanted=None, timeout=15):
     return cache_bytes(url)
 
 
-def test_a_cancelled_batch_frees_the_prefixes_it_computed(reusing):
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+def test_a_cancelled_or_expired_batch_frees_the_prefixes_it_computed(reusing, end):
     client, url = reusing.client, reusing.web.url
     before = settled_cache_bytes(url)
     rows = [line(f"c{i}", COMPLETIONS, scoring(f"row number {i} of many")) for i in range(1500)]
@@ -139,9 +140,12 @@ def test_a_cancelled_batch_frees_the_prefixes_it_computed(reusing):
     while not (client.batches.retrieve(batch.id).request_counts.completed and cache_bytes(url) > before):
         assert time.monotonic() < deadline, "the batch's prefixes never showed in the cache"
         time.sleep(0.1)
-    client.batches.cancel(batch.id)
+    if end == "cancelled":
+        client.batches.cancel(batch.id)
+    else:
+        reusing.sql("UPDATE batches_app_batch SET expires_at = now() WHERE id = %s RETURNING id", [batch.id])
     done = wait_for(client, batch.id)
-    assert done.status == "cancelled" and done.request_counts.completed < len(rows)
+    assert done.status == end and done.request_counts.completed < len(rows)
     assert settled_cache_bytes(url, wanted=before) == before
 
 
