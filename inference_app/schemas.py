@@ -212,7 +212,16 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def is_scoring(self):
-        return self.logprobs or self.allowed_token_ids is not None
+        """Scoring mode (SPEC 4): allowed_token_ids, or logprobs with max_tokens 1. logprobs with
+        any other max_tokens (or none) generates, each token with its logprobs."""
+        return self.allowed_token_ids is not None or (self.logprobs and self.requested_max_tokens() == 1)
+
+    def generated_logprobs(self):
+        """How many top logprobs each generated token reports (0 and up), or None: not asked."""
+        return (self.top_logprobs or 0) if self.logprobs and not self.is_scoring() else None
+
+
+GENERATED_LOGPROBS_MAX = 5  # completions' logprobs on generated tokens, as OpenAI limits them
 
 
 class CompletionRequest(GenerationRequest):
@@ -230,7 +239,11 @@ class CompletionRequest(GenerationRequest):
         return self.max_tokens
 
     def is_scoring(self):
-        return self.logprobs is not None or self.allowed_token_ids is not None
+        """Scoring mode (SPEC 4): allowed_token_ids, or logprobs with max_tokens 1."""
+        return self.allowed_token_ids is not None or (self.logprobs is not None and self.max_tokens == 1)
+
+    def generated_logprobs(self):
+        return self.logprobs if self.logprobs is not None and not self.is_scoring() else None
 
 
 class EmbeddingRequest(Schema):
@@ -591,6 +604,16 @@ def _check_consistency(request, param_prefix):
                 f"Invalid value for '{param}': top_logprobs needs logprobs: true",
                 param=param,
             )
+    generating = isinstance(request, CompletionRequest) and request.generated_logprobs() is not None
+    if generating and request.logprobs > GENERATED_LOGPROBS_MAX:
+        param = param_prefix + "logprobs"
+        raise ApiError(
+            400,
+            "invalid_parameter",
+            f"Invalid value for '{param}': logprobs on generated tokens (max_tokens other than 1) is from 0 to "
+            f"{GENERATED_LOGPROBS_MAX}, got {request.logprobs}; scoring mode (max_tokens 1) takes up to 20",
+            param=param,
+        )
     if isinstance(request, CompletionRequest) and request.stream and len(request.prompts()) > 1:
         param = param_prefix + "prompt"
         raise ApiError(

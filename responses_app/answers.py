@@ -92,9 +92,9 @@ def _usage(usage):
     )
 
 
-def message_item(item_id, text, status="completed"):
+def message_item(item_id, text, status="completed", logprobs=()):
     return MessageOutput(type="message", id=item_id, status=status, role="assistant",
-                         content=[OutputText(type="output_text", text=text, annotations=[], logprobs=[])])
+                         content=[OutputText(type="output_text", text=text, annotations=[], logprobs=list(logprobs))])
 
 
 def call_item(item_id, call_id, name, arguments, status="completed"):
@@ -110,7 +110,8 @@ def from_chat(request, response_id, chat, created_at, store=None):
     status = "incomplete" if finish_reason == "length" else "completed"
     output = []
     if message["content"] is not None and (message["content"] or not calls):
-        output.append(message_item(new_id("msg_"), message["content"], status))
+        logprobs = (choice.get("logprobs") or {}).get("content") or ()
+        output.append(message_item(new_id("msg_"), message["content"], status, logprobs))
     for call in calls:
         output.append(call_item(new_id("fc_"), call["id"], call["function"]["name"], call["function"]["arguments"]))
     return response_object(request, response_id, chat["model"], output, chat["usage"], finish_reason, created_at,
@@ -155,21 +156,22 @@ class EventStream:
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], (choice.get("logprobs") or {}).get("content") or [])
             for call in delta.get("tool_calls") or ():
                 events += self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events
 
-    def _text(self, piece):
+    def _text(self, piece, logprobs):
         events = []
         if self.text is None:
             events += self._open_message()
         item = self.output[self.text]
         item["content"][0]["text"] += piece
+        item["content"][0]["logprobs"] += logprobs
         events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self.text,
-                                  content_index=0, delta=piece, logprobs=[]))
+                                  content_index=0, delta=piece, logprobs=logprobs))
         return events
 
     def _open_message(self):
@@ -207,7 +209,7 @@ class EventStream:
         item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
         part = item["content"][0]
         return [self._event("response.output_text.done", item_id=item["id"], output_index=position,
-                            content_index=0, text=part["text"], logprobs=[]),
+                            content_index=0, text=part["text"], logprobs=part["logprobs"]),
                 self._event("response.content_part.done", item_id=item["id"], output_index=position,
                             content_index=0, part=part),
                 self._event("response.output_item.done", output_index=position, item=item)]

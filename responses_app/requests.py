@@ -16,7 +16,7 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from inference_app.schemas import (
     FunctionName,
@@ -164,6 +164,7 @@ class ReasoningConfig(Schema):
 
 
 # The fields this server refuses whatever the mode (they change the answer), with why.
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
 REFUSED = {
     "background": "background responses are not served: send the request and wait, or use a batch",
     "conversation": "conversation objects are not served: chain with previous_response_id",
@@ -193,8 +194,8 @@ class ResponseRequest(Schema):
     stream: StrictBool = False
     truncation: Literal["disabled"] | None = None
     reasoning: ReasoningConfig | None = None
-    include: Annotated[list[StrictStr], Field(max_length=0)] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     background: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -210,6 +211,10 @@ class ResponseRequest(Schema):
             if name in self.model_fields_set and getattr(self, name) not in (False, None):
                 raise ApiError(400, "field_not_honoured", f"'{prefix}{name}' cannot be honoured: {reason}",
                                param=prefix + name)
+        for index, name in enumerate(self.include or ()):
+            if name != LOGPROBS:
+                raise ApiError(400, "field_not_honoured", f"Invalid value for '{prefix}include.{index}': {name!r} "
+                               f"cannot be included here; only {LOGPROBS!r}", param=f"{prefix}include.{index}")
         for index, tool in enumerate(self.tools or ()):
             if isinstance(tool, BuiltInTool) and tool.type != "function":
                 raise ApiError(400, "field_not_honoured",
@@ -245,6 +250,12 @@ class ResponseRequest(Schema):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
+    @property
+    def wants_logprobs(self):
+        """`include: ["message.output_text.logprobs"]`: each output token's logprob, and
+        `top_logprobs` of the most likely (the chat answer's own, passed on)."""
+        return LOGPROBS in (self.include or ())
+
     def function_tools(self):
         return [tool for tool in self.tools or () if isinstance(tool, FunctionToolDef)]
 
@@ -262,6 +273,8 @@ class ResponseRequest(Schema):
             "response_format": _response_format(self.text.format) if self.text and self.text.format else None,
         }
         body.update({name: value for name, value in optional.items() if value is not None})
+        if self.wants_logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         tools = self.function_tools()
         if tools:
             body["tools"] = [{"type": "function", "function": _function(tool)} for tool in tools]

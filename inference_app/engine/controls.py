@@ -10,6 +10,12 @@ tokens (the prompt does not count):
 A `response_format` other than text, or a forced tool call (inference_app/tools.py), adds the sequence's grammar state (grammars.py): its mask
 goes last, so a bias never lets a token through that the grammar forbids.
 
+Logprobs on generated tokens (chat `logprobs: true` with `top_logprobs`, completions `logprobs`,
+beyond scoring mode's one token) ride here too: `top_logprobs` (0-20) asks each sampled token for
+its logprob and the most likely tokens', from the model's own distribution at that step (the raw
+logits: before temperature, bias, penalties and grammar, as vLLM reports them), so a greedy token
+is its step's top logprob.
+
 A sequence that sets none of them has no Controls (None) and pays nothing.
 """
 
@@ -27,6 +33,7 @@ class Controls:
     presence: float = 0.0
     frequency: float = 0.0
     grammar: grammars.GrammarState | None = None  # this sequence's own, or None
+    top_logprobs: int | None = None  # each sampled token's logprob and this many top ones; None: not asked
     bias_ids: torch.Tensor = field(init=False, repr=False, compare=False)  # built once, not every token
     bias_values: torch.Tensor = field(init=False, repr=False, compare=False)
 
@@ -42,9 +49,14 @@ class Controls:
         presence = float(request.presence_penalty or 0)
         frequency = float(request.frequency_penalty or 0)
         grammar = grammars.state_for(runtime, decoding_format(request)[0]) if runtime is not None else None
-        if not bias and not presence and not frequency and grammar is None:
+        top_logprobs = request.generated_logprobs()
+        if not bias and not presence and not frequency and grammar is None and top_logprobs is None:
             return None
-        return cls(bias, presence, frequency, grammar)
+        return cls(bias, presence, frequency, grammar, top_logprobs)
+
+    @property
+    def shapes_logits(self):
+        return bool(self.bias or self.presence or self.frequency or self.grammar is not None)
 
     def apply(self, logits, produced):
         """`logits` (one row, float) adjusted for a sequence that has generated `produced`: a new
@@ -65,9 +77,22 @@ class Controls:
 
 
 def sample(runtime, logits, temperature, top_p, generator, controls, produced):
-    """One token for a row: its controls (if any) applied, then the runtime's sampling rule."""
+    """One token for a row, its controls (if any) applied, then the runtime's sampling rule:
+    (its id, its logprobs entry when the controls ask for one, else None)."""
     if controls is None:
-        return runtime._sample(logits, temperature, top_p, generator)
-    token_id = runtime._sample(controls.apply(logits, produced), temperature, top_p, generator)
+        return runtime._sample(logits, temperature, top_p, generator), None
+    shaped = controls.apply(logits, produced) if controls.shapes_logits else logits
+    token_id = runtime._sample(shaped, temperature, top_p, generator)
     controls.accept(token_id)
-    return token_id
+    if controls.top_logprobs is None:
+        return token_id, None
+    return token_id, token_logprobs(logits, token_id, controls.top_logprobs)
+
+
+def token_logprobs(logits, token_id, count):
+    """(the token's logprob, [(token id, logprob)] of the `count` most likely) under the model's
+    own distribution at this step (float32 log-softmax of the raw logits)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, count) if count else None
+    listed = [] if top is None else [(int(index), float(value)) for value, index in zip(top.values, top.indices)]
+    return float(logprobs[token_id]), listed

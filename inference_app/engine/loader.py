@@ -70,12 +70,17 @@ def pick_dtype(device, setting=None, flags=None):
 def cpu_flags():
     """The CPU's feature flags as Linux lists them (none where there is no /proc/cpuinfo)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return flags_of(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
+
+
+def flags_of(cpuinfo):
+    """The first processor's `flags` line of a /proc/cpuinfo text, as a set (empty if none)."""
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
     return frozenset()
 
 

@@ -27,6 +27,7 @@ log = logging.getLogger("millm.engine")
 class SampledToken:
     token_id: int
     finished_by_eos: bool
+    logprobs: tuple | None = None  # (its logprob, [(token id, logprob)] top ones) when asked (controls.py)
 
 
 class ResidentModel:
@@ -163,10 +164,11 @@ class ResidentModel:
         for _ in range(max_new_tokens):
             if cancelled():
                 return
-            token_id = sample(self, out.logits[0, -1].float(), temperature, top_p, generator, controls, produced)
+            token_id, logprobs = sample(self, out.logits[0, -1].float(), temperature, top_p, generator, controls,
+                                        produced)
             produced.append(token_id)
             eos = self.is_eos(token_id)
-            yield SampledToken(token_id, eos)
+            yield SampledToken(token_id, eos, logprobs)
             if eos:
                 return
             step = torch.tensor([[token_id]], dtype=torch.long, device=self.device)

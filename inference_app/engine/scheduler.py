@@ -105,9 +105,9 @@ class Sequence:
             or (last is not None and self.runtime.is_eos(last))
         )
 
-    def _emit(self, token_id):
+    def _emit(self, token_id, logprobs=None):
         self.produced.append(token_id)
-        self._tokens.put(SampledToken(token_id, self.runtime.is_eos(token_id)))
+        self._tokens.put(SampledToken(token_id, self.runtime.is_eos(token_id), logprobs))
 
     def _end(self, failure=None):
         self._tokens.put(failure if failure is not None else _END)
@@ -362,13 +362,13 @@ class StepScheduler:
     def _sample(self, sequence, logits):
         """Sample one row with the sequence's own generator; a failure ends this sequence alone."""
         try:
-            token_id = sample(sequence.runtime, logits, sequence.temperature, sequence.top_p, sequence.generator,
-                              sequence.controls, sequence.produced)
+            token_id, logprobs = sample(sequence.runtime, logits, sequence.temperature, sequence.top_p,
+                                        sequence.generator, sequence.controls, sequence.produced)
         except Exception as error:
             log.exception("sampling a sequence failed; it ends alone")
             sequence.failure = error
             return
-        sequence._emit(token_id)
+        sequence._emit(token_id, logprobs)
 
     def _drop_finished(self, lane):
         finished = [row for row, sequence in enumerate(lane.live) if sequence.done]

@@ -160,7 +160,8 @@ def chat_completion(runtime, parsed, cancelled=never_cancelled):
         if calls:
             message["tool_calls"] = tool_calls(calls)
         finish_reason = "tool_calls" if calls and assembler.finish_reason == "stop" else assembler.finish_reason
-        choices.append(ChatChoice(index=index, message=message, logprobs=None, finish_reason=finish_reason))
+        logprobs = _chat_logprobs(runtime, request, assembler, assembler.logprobs)
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason))
     usage = _usage(len(prompt_ids), sum(assembler.produced for assembler in assemblers))
     return ServiceResult(_chat_body(runtime, choices, usage), headers_for(runtime, parsed))
 
@@ -190,20 +191,30 @@ def chat_completion_stream(runtime, parsed, cancelled=never_cancelled):
     head = ChatCompletionChunk(id=new_id("chatcmpl-"), object="chat.completion.chunk", created=int(time.time()),
                                model=runtime.model_id, system_fingerprint=runtime.fingerprint, choices=[])
 
-    def chunk(index, delta, finish_reason=None):
+    def chunk(index, delta, finish_reason=None, logprobs=None):
         body = head.copy()
-        body["choices"] = [ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=finish_reason)]
+        body["choices"] = [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]
         return body
 
+    def pieces_of(index, pieces):
+        """A chunk per piece; the first carries the logprobs of the tokens since the last chunk."""
+        for number, piece in enumerate(pieces):
+            logprobs = None
+            if number == 0:
+                assembler = assemblers[index]
+                logprobs = _chat_logprobs(runtime, request, assembler, assembler.take_logprobs())
+            yield chunk(index, ChatDelta(**piece), logprobs=logprobs)
+
+    assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
+
     def chunks():
-        assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
         calls = [CallStream(request) for _ in assemblers]  # text as content, or tool_calls deltas (tools.py)
         for index in range(request.n):
             yield chunk(index, ChatDelta(role="assistant", content=""))
         for index, delta in _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
-            yield from (chunk(index, ChatDelta(**piece)) for piece in calls[index].feed(delta))
+            yield from pieces_of(index, calls[index].feed(delta))
         for index, (assembler, call) in enumerate(zip(assemblers, calls)):
-            yield from (chunk(index, ChatDelta(**piece)) for piece in call.finish())
+            yield from pieces_of(index, call.finish())
             called = call.called and assembler.finish_reason == "stop"
             yield chunk(index, ChatDelta(), "tool_calls" if called else assembler.finish_reason)
         if request.include_usage():
@@ -225,7 +236,8 @@ def completion(runtime, parsed, cancelled=never_cancelled):
     choices, prompt_tokens, produced = [], 0, 0
     for ids, limit in zip(encoded, limits):
         for assembler in _generate_choices(runtime, request, ids, limit, cancelled):
-            choices.append(CompletionChoice(index=len(choices), text=assembler.text, logprobs=None,
+            logprobs = _completion_logprobs(runtime, request, assembler, assembler.logprobs)
+            choices.append(CompletionChoice(index=len(choices), text=assembler.text, logprobs=logprobs,
                                             finish_reason=assembler.finish_reason))
             produced += assembler.produced
         prompt_tokens += len(ids)
@@ -254,11 +266,14 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
 
     def chunk(index, text, finish_reason=None):
         body = head.copy()
-        body["choices"] = [CompletionChunkChoice(index=index, text=text, logprobs=None, finish_reason=finish_reason)]
+        assembler = assemblers[index]
+        logprobs = _completion_logprobs(runtime, request, assembler, assembler.take_logprobs())
+        body["choices"] = [CompletionChunkChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)]
         return body
 
+    assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
+
     def chunks():
-        assemblers = [TextAssembler(runtime, request.stop_sequences()) for _ in range(request.n)]
         for index, delta in _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemblers):
             yield chunk(index, delta)
         for index, assembler in enumerate(assemblers):
@@ -267,6 +282,32 @@ def completion_stream(runtime, parsed, cancelled=never_cancelled):
             yield {**head, "usage": _usage(len(prompt_ids), sum(assembler.produced for assembler in assemblers))}
 
     return headers_for(runtime, parsed), chunks()
+
+
+def _chat_logprobs(runtime, request, assembler, entries):
+    """A generated chat choice's (or chunk's) logprobs: one entry per token in `entries` (of
+    `assembler`'s), or None when the request did not ask."""
+    if request.generated_logprobs() is None:
+        return None
+    content = [TokenLogprob(**_token_entry(runtime, assembler.token_ids[index], logprob),
+                            top_logprobs=[_token_entry(runtime, token_id, value) for token_id, value in top])
+               for index, logprob, top in entries]
+    return ChatLogprobs(content=content, refusal=None)
+
+
+def _completion_logprobs(runtime, request, assembler, entries):
+    """A generated completion choice's (or chunk's) logprobs in the legacy shape, or None."""
+    if request.generated_logprobs() is None:
+        return None
+    tops = []
+    for _, _, top in entries:
+        named = {}
+        for token_id, value in top:
+            named.setdefault(runtime.token_string(token_id), value)
+        tops.append(named)
+    return CompletionLogprobs(tokens=[runtime.token_string(assembler.token_ids[index]) for index, _, _ in entries],
+                              token_logprobs=[logprob for _, logprob, _ in entries], top_logprobs=tops,
+                              text_offset=[assembler.offset(index) for index, _, _ in entries])
 
 
 # --- scoring, shared by chat and completions ---
@@ -585,7 +626,7 @@ def _choice_deltas(runtime, request, prompt_ids, max_tokens, cancelled, assemble
                 assembler = assemblers[index]
                 token = next(tokens, None)
                 if token is not None and not token.finished_by_eos:
-                    delta = assembler.add(token.token_id)
+                    delta = assembler.add(token.token_id, token.logprobs)
                     if delta:
                         yield index, delta
                     if not assembler.stopped:
@@ -620,6 +661,8 @@ class TextAssembler:
         self.runtime = runtime
         self.stops = [stop for stop in stops if stop]
         self.token_ids = []
+        self.logprobs = []  # (token index, its logprob, its top ones) of each token asked for, in the answer
+        self._logprobs_sent = 0
         self.text = ""
         self.emitted = 0
         self.stopped = False
@@ -629,12 +672,15 @@ class TextAssembler:
     def produced(self):
         return len(self.token_ids)
 
-    def add(self, token_id):
+    def add(self, token_id, logprobs=None):
         self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append((len(self.token_ids) - 1, *logprobs))
         full = self.runtime.decode(self.token_ids)
         cut = self._stop_index(full)
         if cut is not None:
             self.text, self.stopped = full[:cut], True
+            self._drop_logprobs_after(cut)
             return self._emit(cut)
         self.text = full
         safe = len(full.rstrip("\ufffd"))
@@ -652,6 +698,22 @@ class TextAssembler:
         delta = self.text[self.emitted : upto]
         self.emitted = upto
         return delta
+
+    def _drop_logprobs_after(self, cut):
+        """A stop sequence cut the text: tokens whose text lies wholly past the cut are not in
+        the answer, nor are their logprobs."""
+        while self.logprobs and len(self.runtime.decode(self.token_ids[:self.logprobs[-1][0]])) >= cut:
+            self.logprobs.pop()
+
+    def take_logprobs(self):
+        """The logprobs not yet sent (a stream's chunk carries those of the tokens since the last)."""
+        taken = self.logprobs[self._logprobs_sent:]
+        self._logprobs_sent = len(self.logprobs)
+        return taken
+
+    def offset(self, index):
+        """Where token `index`'s text begins in the answer's text."""
+        return min(len(self.runtime.decode(self.token_ids[:index])), len(self.text))
 
     def _stop_index(self, full):
         found = [full.find(stop, max(0, self.emitted - len(stop))) for stop in self.stops]

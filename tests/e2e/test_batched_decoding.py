@@ -61,6 +61,25 @@ def test_batched_rows_answer_as_serial_rows_and_say_so(seated):
     assert sum(response["millm"]["batched"] for response in together.values()) >= 10  # they shared their steps
 
 
+def test_batched_rows_with_logprobs_answer_each_tokens_as_serial_rows_do(seated):
+    """Issue 46: logprobs on generated tokens through the step scheduler; in float32 a batched
+    greedy row's entries are the serial row's (tokens the same, logprobs within 1e-5)."""
+    client = seated.client
+    rows = [line(f"lp-{i}", CHAT, {"model": MODEL_ID, "temperature": 0, "max_tokens": 10, "logprobs": True,
+                                   "top_logprobs": 2, "messages": [{"role": "user", "content": f"Item {i} " * (1 + i)}]})
+            for i in range(6)]
+    alone = answers(client, wait_for(client, start_batch(client, rows, CHAT).id))
+    together = answers(client, wait_for(client, start_batch(client, rows, CHAT, extra_body={"batched_decoding": True}).id))
+    assert sum(response["millm"]["batched"] for response in together.values()) >= 3  # they shared steps
+    for custom_id, response in together.items():
+        mine = response["body"]["choices"][0]["logprobs"]["content"]
+        theirs = alone[custom_id]["body"]["choices"][0]["logprobs"]["content"]
+        assert len(mine) == response["body"]["usage"]["completion_tokens"] == len(theirs)
+        assert [entry["token"] for entry in mine] == [entry["token"] for entry in theirs]
+        assert all(abs(a["logprob"] - b["logprob"]) < 1e-5 for a, b in zip(mine, theirs))
+        assert all(entry["top_logprobs"][0]["token"] == entry["token"] for entry in mine)
+
+
 def test_schema_rows_and_a_tool_row_answer_validly_one_at_a_time_and_seated(seated):
     # issue 29: each row keeps its own grammar state; random weights pass only under the grammar.
     schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer"},

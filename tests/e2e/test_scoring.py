@@ -59,8 +59,8 @@ def test_allowed_token_ids_restrict_the_answer(client, resident):
 @pytest.mark.parametrize(
     "fields,param",
     [
-        ({"logprobs": True}, "max_completion_tokens"),
-        ({"logprobs": True, "max_tokens": 2}, "max_tokens"),
+        ({"allowed_token_ids": [5]}, "max_completion_tokens"),
+        ({"allowed_token_ids": [5], "max_tokens": 2}, "max_tokens"),
         ({"allowed_token_ids": [5], "max_tokens": 1, "stream": True}, "stream"),
         ({"logprobs": True, "max_tokens": 1, "temperature": 0.0001}, "temperature"),
         ({"logprobs": True, "max_tokens": 1, "n": 2}, "n"),
@@ -77,7 +77,7 @@ def test_every_scoring_constraint_is_refused_naming_the_field(stack, fields, par
 
 
 def test_completions_scoring_constraints_name_the_field(stack):
-    body = {"model": MODEL_ID, "prompt": "x", "logprobs": 2}
+    body = {"model": MODEL_ID, "prompt": "x", "allowed_token_ids": [5]}
     response = httpx.post(stack.web.url + "/v1/completions", json=body)
     assert response.json()["error"]["param"] == "max_tokens"
     assert "got nothing" in response.json()["error"]["message"]

@@ -61,9 +61,20 @@ def test_n_is_honoured_up_to_eight_and_not_in_scoring_mode():
 
 
 def test_scoring_mode_needs_an_explicit_max_tokens_of_one():
-    error = refusal(CHAT, {**BASE, "logprobs": True})
+    error = refusal(CHAT, {**BASE, "allowed_token_ids": [1]})
     assert error.param == "max_completion_tokens" and "got nothing" in error.message
     assert parse_request(CHAT, {**BASE, "logprobs": True, "max_completion_tokens": 1}, strict=True).request.is_scoring()
+
+
+def test_logprobs_with_any_other_max_tokens_generate_with_logprobs_on_each_token():
+    for extra in ({}, {"max_tokens": 16}, {"max_completion_tokens": 2}):
+        request = parse_request(CHAT, {**BASE, "logprobs": True, "top_logprobs": 3, **extra}, strict=True).request
+        assert not request.is_scoring() and request.generated_logprobs() == 3
+    assert parse_request(CHAT, {**BASE, "logprobs": True, "max_tokens": 1}, strict=True).request.generated_logprobs() is None
+    completion = parse_request("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4, "logprobs": 0}, True)
+    assert not completion.request.is_scoring() and completion.request.generated_logprobs() == 0
+    error = refusal("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4, "logprobs": 6})
+    assert error.param == "logprobs" and "from 0 to 5" in error.message and "got 6" in error.message
 
 
 def test_scoring_mode_refuses_streams_and_tiny_temperatures():
