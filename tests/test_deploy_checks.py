@@ -2,6 +2,7 @@
 route, the API's bearer-key routes CSRF-exempt and the admin's staff-session routes not, and the
 README's production settings (DJANGO_BEHIND_TLS) passing `manage.py check --deploy`."""
 
+import importlib.util
 import os
 import re
 import secrets
@@ -101,14 +102,31 @@ def test_a_bearer_key_route_takes_a_post_without_a_token(staff):
     assert answer.headers["X-Frame-Options"] == "DENY"
 
 
+def settings_module_with(monkeypatch, **environment):
+    """millm_site/settings.py executed afresh under `environment` (a module of its own: the
+    running settings are not touched)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("settings_under_test", ROOT / "millm_site" / "settings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.django_db
-def test_behind_tls_http_is_redirected_and_https_gets_hsts(settings):
-    settings.SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
-    settings.SECURE_SSL_REDIRECT = True
-    settings.SECURE_REDIRECT_EXEMPT = [r"^api/health", r"^metrics$"]
-    settings.SECURE_HSTS_SECONDS = 31_536_000
-    settings.SECURE_HSTS_INCLUDE_SUBDOMAINS = True
-    settings.SECURE_HSTS_PRELOAD = True
+def test_behind_tls_http_is_redirected_and_https_gets_hsts(settings, monkeypatch):
+    """What DJANGO_BEHIND_TLS=true itself sets (its block in settings.py), not a copy of it."""
+    plain, again = (settings_module_with(monkeypatch, DJANGO_BEHIND_TLS="false") for _ in range(2))
+    tls = settings_module_with(monkeypatch, DJANGO_BEHIND_TLS="true")
+
+    def differ(one, other):
+        return {name for name in dir(one) if name.isupper() and getattr(one, name) != getattr(other, name, None)}
+
+    changed = differ(tls, plain) - differ(again, plain)  # what the setting changes, not what differs each time
+    assert {"SECURE_SSL_REDIRECT", "SECURE_HSTS_SECONDS", "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE"} <= changed
+    for name in changed - {"BEHIND_TLS"}:
+        setattr(settings, name, getattr(tls, name))
+    assert settings.SESSION_COOKIE_SECURE and settings.CSRF_COOKIE_SECURE
     client = Client()
     plain = client.get("/v1/models")
     assert plain.status_code == 301 and plain.headers["Location"] == "https://testserver/v1/models"

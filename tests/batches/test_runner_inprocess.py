@@ -268,8 +268,10 @@ def test_rows_with_sampling_controls_run_as_the_synchronous_route_runs_them(star
 
     batch.refresh_from_db()
     assert (batch.status, batch.completed) == (Batch.Status.COMPLETED, 4)
-    texts = [line["response"]["body"]["choices"][0]["text"] for line in lines_of(batch.output_file)]
+    output = lines_of(batch.output_file)
+    texts = [line["response"]["body"]["choices"][0]["text"] for line in output]
     assert texts[0] == resident.decode([forced]) * 4
+    assert_shared_steps(output, batched_decoding)
     assert texts[1] != texts[2]  # the penalty changed the greedy answer
     synchronous = [services.run(resident, parse_request(COMPLETIONS, body, strict=True)).body["choices"][0]["text"]
                    for body in bodies]
@@ -294,3 +296,14 @@ def test_schema_rows_answer_in_their_schemas_one_at_a_time_and_seated(start_engi
     for line, schema in zip(output, [SCHEMA] * 3 + [small]):
         jsonschema.validate(json.loads(line["response"]["body"]["choices"][0]["text"]), schema)
     assert output[4]["response"]["body"]["choices"][0]["text"]
+    assert_shared_steps(output, batched_decoding)
+
+
+def assert_shared_steps(output, batched_decoding):
+    """Seated rows said they shared decode steps (equal answers alone would not show it: in
+    float32 a silent fallback to one at a time gives the same answers); serial rows never."""
+    shared = [line["response"]["millm"]["batched"] for line in output]
+    if batched_decoding:
+        assert sum(shared) >= 2, shared
+    else:
+        assert not any(shared), shared

@@ -84,9 +84,13 @@ def test_each_choice_keeps_its_own_grammar_and_a_stop_ends_one_choice_only(resid
     answer = run(seated(), chat(resident, n=3, max_tokens=120, response_format=schema_format()))
     for content in texts(answer):
         jsonschema.validate(json.loads(content), SCHEMA)
-    first = texts(run(resident, chat(resident, n=2, temperature=0, max_tokens=6)))
-    assert first[0] == first[1]  # greedy choices agree
-    stop = first[0][2:5]
-    stopped = run(seated(), chat(resident, n=2, temperature=0, max_tokens=6, stop=[stop]))
-    assert [choice["finish_reason"] for choice in stopped["choices"]] == ["stop", "stop"]
-    assert texts(stopped) == [first[0][: first[0].index(stop)]] * 2
+    # Two seeded choices that differ: a stop found in the first's text and not in the second's
+    # ends the first only; the second runs to its length, exactly as without the stop.
+    sampled = {"n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 12}
+    first = texts(run(seated(), chat(resident, **sampled)))
+    assert first[0] != first[1]
+    stop = next(first[0][start:start + 3] for start in range(2, len(first[0]) - 3)
+                if first[0][start:start + 3] not in first[1] and first[0][start:start + 3].strip())
+    stopped = run(seated(), chat(resident, **sampled, stop=[stop]))
+    assert [choice["finish_reason"] for choice in stopped["choices"]] == ["stop", "length"]
+    assert texts(stopped) == [first[0][: first[0].index(stop)], first[1]]
