@@ -42,6 +42,21 @@ def _decode_logits(resident, prompts, steps=3):
     return logits
 
 
+def _float32_by_hand(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """A decode step's attention written out in float32 (a prefill runs transformers' sdpa)."""
+    if query.shape[2] != 1:
+        return attention.sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    q = query.float()
+    k, v = key.float().repeat_interleave(groups, dim=1), value.float().repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * (scaling if scaling is not None else q.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+            else scores + attention_mask
+    output = torch.softmax(scores, dim=-1) @ v
+    return output.transpose(1, 2).contiguous().to(query.dtype), None
+
+
 def test_decode_steps_attend_in_float32_and_prefills_as_sdpa(bfloat16_resident):
     """A decode step under millm_sdpa equals the same step with float32 attention computed by
     hand from the same bfloat16 projections; a prefill is bit for bit transformers' sdpa."""
@@ -73,6 +88,19 @@ def test_decode_steps_attend_in_float32_and_prefills_as_sdpa(bfloat16_resident):
         model.set_attn_implementation(attention.NAME)
     ours_prefill = model(input_ids=ids, use_cache=False).logits
     assert torch.equal(ours_prefill, sdpa_prefill)
+
+    # The float32 reference, by hand: softmax(q k^T * scale + mask) v on float32 copies of the
+    # same bfloat16 projections at each decode step, rounded back to bfloat16.
+    attention.AttentionInterface.register("float32_by_hand", _float32_by_hand)
+    attention.AttentionMaskInterface.register("float32_by_hand", attention.sdpa_mask)
+    try:
+        model.set_attn_implementation("float32_by_hand")
+        reference = _decode_logits(bfloat16_resident, prompts)
+    finally:
+        model.set_attn_implementation(attention.NAME)
+    # millm_sdpa is that reference up to float32's own rounding; sdpa in bfloat16 is further off.
+    ours_off, theirs_off = (ours - reference).abs().max(), (theirs - reference).abs().max()
+    assert ours_off < theirs_off / 4, (float(ours_off), float(theirs_off))
     # Same model, attention rounded differently: close, and not the same bits (it would be, if
     # millm_sdpa attended in bfloat16 after all).
     assert torch.allclose(ours, theirs, atol=0.1, rtol=0.05)
