@@ -154,3 +154,25 @@ def test_a_batchs_prefixes_leave_when_it_ends_and_others_stay(resident, cache):
     prefix_cache.prefix_for(resident, theirs)
     assert cache.drop("batch_1") == 1
     assert cache.longest(mine) is None and cache.longest(theirs) is not None
+
+
+@pytest.mark.slow
+def test_a_50000_row_scoring_batch_keeps_the_cache_within_its_bound(resident, settings):
+    """The runner's path for 50,000 packed rows with prefix reuse: chunks of 16 rows, each chunk
+    on an instruction of its own (so every chunk leaves a new prefix), a 256 KB bound."""
+    settings.BATCH_PACK_MAX_ROWS = 16
+    bounded = PrefixCache(256 * 1024)
+    held, resident.prefix_cache = resident.prefix_cache, bounded
+    try:
+        peak = 0
+        for chunk in range(50_000 // 16):
+            instruction = f"Instruction {chunk}: " + "label the text " * 8
+            rows = [parse_request("/v1/completions", {"model": resident.model_id, "prompt": f"{instruction}{row}",
+                                                      "max_tokens": 1, "logprobs": 1}, True) for row in range(16)]
+            outcomes = packing.run_packed(resident, rows, reuse=f"batch_{chunk % 7}")
+            assert outcomes[0].body["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK_TOKENS
+            peak = max(peak, bounded.nbytes)
+            assert bounded.nbytes <= bounded.limit_bytes
+        assert peak > bounded.limit_bytes / 2  # the bound was reached, and held
+    finally:
+        resident.prefix_cache = held
