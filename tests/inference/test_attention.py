@@ -42,6 +42,17 @@ def _decode_logits(resident, prompts, steps=3):
     return logits
 
 
+def _decode_logits_under(resident, prompts, name, function):
+    """`_decode_logits` with attention `function` registered as `name`; millm_sdpa again after."""
+    attention.AttentionInterface.register(name, function)
+    attention.AttentionMaskInterface.register(name, attention.sdpa_mask)
+    try:
+        resident.model.set_attn_implementation(name)
+        return _decode_logits(resident, prompts)
+    finally:
+        resident.model.set_attn_implementation(attention.NAME)
+
+
 def _float32_by_hand(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """A decode step's attention written out in float32 (a prefill runs transformers' sdpa)."""
     if query.shape[2] != 1:
@@ -69,13 +80,7 @@ def test_decode_steps_attend_in_float32_and_prefills_as_sdpa(bfloat16_resident):
         seen.append((query.shape[2], query.dtype, output.dtype))
         return output, weights
 
-    attention.AttentionInterface.register("recording", recording)
-    attention.AttentionMaskInterface.register("recording", attention.sdpa_mask)
-    try:
-        model.set_attn_implementation("recording")
-        ours = _decode_logits(bfloat16_resident, prompts)
-    finally:
-        model.set_attn_implementation(attention.NAME)
+    ours = _decode_logits_under(bfloat16_resident, prompts, "recording", recording)
     assert {(queries, dtype, out) for queries, dtype, out in seen if queries == 1} == {(1, torch.bfloat16, torch.bfloat16)}
     assert any(queries > 1 for queries, _, _ in seen)  # the prefills went through it too
 
@@ -91,13 +96,7 @@ def test_decode_steps_attend_in_float32_and_prefills_as_sdpa(bfloat16_resident):
 
     # The float32 reference, by hand: softmax(q k^T * scale + mask) v on float32 copies of the
     # same bfloat16 projections at each decode step, rounded back to bfloat16.
-    attention.AttentionInterface.register("float32_by_hand", _float32_by_hand)
-    attention.AttentionMaskInterface.register("float32_by_hand", attention.sdpa_mask)
-    try:
-        model.set_attn_implementation("float32_by_hand")
-        reference = _decode_logits(bfloat16_resident, prompts)
-    finally:
-        model.set_attn_implementation(attention.NAME)
+    reference = _decode_logits_under(bfloat16_resident, prompts, "float32_by_hand", _float32_by_hand)
     # millm_sdpa is that reference up to float32's own rounding; sdpa in bfloat16 is further off.
     ours_off, theirs_off = (ours - reference).abs().max(), (theirs - reference).abs().max()
     assert ours_off < theirs_off / 4, (float(ours_off), float(theirs_off))
