@@ -291,7 +291,7 @@ def _chat_logprobs(runtime, request, assembler, entries):
         return None
     content = [TokenLogprob(**_token_entry(runtime, assembler.token_ids[index], logprob),
                             top_logprobs=[_token_entry(runtime, token_id, value) for token_id, value in top])
-               for index, logprob, top in entries]
+               for index, _, logprob, top in entries]
     return ChatLogprobs(content=content, refusal=None)
 
 
@@ -300,14 +300,14 @@ def _completion_logprobs(runtime, request, assembler, entries):
     if request.generated_logprobs() is None:
         return None
     tops = []
-    for _, _, top in entries:
+    for _, _, _, top in entries:
         named = {}
         for token_id, value in top:
             named.setdefault(runtime.token_string(token_id), value)
         tops.append(named)
-    return CompletionLogprobs(tokens=[runtime.token_string(assembler.token_ids[index]) for index, _, _ in entries],
-                              token_logprobs=[logprob for _, logprob, _ in entries], top_logprobs=tops,
-                              text_offset=[assembler.offset(index) for index, _, _ in entries])
+    return CompletionLogprobs(tokens=[runtime.token_string(assembler.token_ids[index]) for index, _, _, _ in entries],
+                              token_logprobs=[logprob for _, _, logprob, _ in entries], top_logprobs=tops,
+                              text_offset=[min(offset, len(assembler.text)) for _, offset, _, _ in entries])
 
 
 # --- scoring, shared by chat and completions ---
@@ -661,7 +661,8 @@ class TextAssembler:
         self.runtime = runtime
         self.stops = [stop for stop in stops if stop]
         self.token_ids = []
-        self.logprobs = []  # (token index, its logprob, its top ones) of each token asked for, in the answer
+        # (token index, where its text begins, its logprob, its top ones) of each token asked for, in the answer
+        self.logprobs = []
         self._logprobs_sent = 0
         self.text = ""
         self.emitted = 0
@@ -674,8 +675,8 @@ class TextAssembler:
 
     def add(self, token_id, logprobs=None):
         self.token_ids.append(token_id)
-        if logprobs is not None:
-            self.logprobs.append((len(self.token_ids) - 1, *logprobs))
+        if logprobs is not None:  # its text begins where the text of the tokens before it ended
+            self.logprobs.append((len(self.token_ids) - 1, len(self.text), *logprobs))
         full = self.runtime.decode(self.token_ids)
         cut = self._stop_index(full)
         if cut is not None:
@@ -702,7 +703,7 @@ class TextAssembler:
     def _drop_logprobs_after(self, cut):
         """A stop sequence cut the text: tokens whose text lies wholly past the cut are not in
         the answer, nor are their logprobs."""
-        while self.logprobs and len(self.runtime.decode(self.token_ids[:self.logprobs[-1][0]])) >= cut:
+        while self.logprobs and self.logprobs[-1][1] >= cut:
             self.logprobs.pop()
 
     def take_logprobs(self):
@@ -710,10 +711,6 @@ class TextAssembler:
         taken = self.logprobs[self._logprobs_sent:]
         self._logprobs_sent = len(self.logprobs)
         return taken
-
-    def offset(self, index):
-        """Where token `index`'s text begins in the answer's text."""
-        return min(len(self.runtime.decode(self.token_ids[:index])), len(self.text))
 
     def _stop_index(self, full):
         found = [full.find(stop, max(0, self.emitted - len(stop))) for stop in self.stops]

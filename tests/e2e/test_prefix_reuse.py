@@ -81,6 +81,12 @@ def test_a_generation_batch_and_a_chats_next_turn_begin_from_a_held_prefix(reusi
                                           "temperature": 0}).json()
     held = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert held >= first["usage"]["prompt_tokens"] - 16 - 1 and held % 16 == 0
+    # A completion generates seated too: the same long prompt a second time begins from the first's.
+    completion = {"model": MODEL_ID, "prompt": INSTRUCTION + "Text: it rained.\nLabel:", "max_tokens": 3,
+                  "temperature": 0}
+    httpx.post(url + COMPLETIONS, json=completion)
+    again = httpx.post(url + COMPLETIONS, json=completion).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     metrics = httpx.get(url + "/metrics").text
     assert any(row.startswith("millm_prefix_tokens_reused_total{") and float(row.split()[-1]) >= held
                for row in metrics.splitlines())
@@ -134,7 +140,11 @@ def settled_cache_bytes(url, wanted=None, timeout=15):
 def test_a_cancelled_or_expired_batch_frees_the_prefixes_it_computed(reusing, end):
     client, url = reusing.client, reusing.web.url
     before = settled_cache_bytes(url)
-    rows = [line(f"c{i}", COMPLETIONS, scoring(f"row number {i} of many")) for i in range(1500)]
+    # An instruction of its own: a prefix another test's request left in the cache (owned by no
+    # batch) would be reused, not computed, and the batch would add nothing to the cache.
+    own = {"model": MODEL_ID, "max_tokens": 1, "logprobs": 3}
+    rows = [line(f"c{i}", COMPLETIONS, {**own, "prompt": f"A {end} batch. {INSTRUCTION}Text: row {i}.\nLabel:"})
+            for i in range(1500)]
     batch = start_batch(client, rows, COMPLETIONS, extra_body={"pack": True, "prefix_reuse": True})
     deadline = time.monotonic() + 60
     while not (client.batches.retrieve(batch.id).request_counts.completed and cache_bytes(url) > before):

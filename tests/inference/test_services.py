@@ -147,3 +147,19 @@ def test_a_model_the_engine_does_not_hold_is_refused(resident):
     with pytest.raises(ApiError) as caught:
         services.run(resident, parse_request(CHAT, {"model": "other", "messages": [{"role": "user", "content": "x"}]}, True))
     assert caught.value.code == "model_not_found"
+
+
+def test_generated_logprobs_keep_each_tokens_offset_and_a_stop_drops_the_tokens_it_cut(resident):
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    whole = run(resident, COMPLETIONS, **body).body["choices"][0]
+    text, offsets = whole["text"], whole["logprobs"]["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == 12
+    cut = len(text) // 2
+    stop = text[cut:cut + 2]
+    cut = text.index(stop)
+    stopped = run(resident, COMPLETIONS, stop=[stop], **body).body["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == text[:cut]
+    # The tokens whose text begins before the cut keep their entries, the same as without the stop.
+    kept = [offset for offset in offsets if offset < cut]
+    assert stopped["logprobs"]["text_offset"] == kept
+    assert stopped["logprobs"]["token_logprobs"] == whole["logprobs"]["token_logprobs"][:len(kept)]
