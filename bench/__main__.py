@@ -36,6 +36,11 @@ RUN_ORDER = ["pipeline", "interactive", "interactive-batched", "generation", "re
 # replicas, which starts its own two stacks (one replica, then two) of the tiny model.
 STACK_MODEL = {"pipeline": "default", "interactive": "default", "interactive-batched": "default", "generation": "default",
                "retention": "default", "overhead": "tiny", "roundtrip": "tiny", "memory": "tiny"}
+# The model of every other part's engine, for the mode each row names (the in-process parts load
+# the packaged model unless told otherwise); peers and prefix set MILLM_DTYPE and MILLM_WEIGHTS
+# to `auto` themselves (SETTINGS), whatever the environment says.
+TINY_PARTS = {"overhead", "roundtrip", "memory", "replicas"}
+AUTO_PARTS = {"peers", "prefix"}
 # A part that is another part's module with other arguments (see sizes()), and its name in the table.
 MODULE = {"interactive-batched": "interactive"}
 LABEL = {"interactive-batched": "interactive (batched decoding)"}
@@ -139,6 +144,7 @@ def main(argv=None):
             else:
                 results[part] = module.main(arguments, **kwargs)
             results[part]["seconds"] = round(time.monotonic() - part_started, 1)
+            results[part]["mode"] = part_mode(part, tiny if args.quick or part in TINY_PARTS else args.model if part == "peers" else None)
             if part in model_of and model_of[part] not in [model_of.get(later) for later in ordered[index + 1:]]:
                 shared[model_of[part]][1].close()
     results = {part: results[part] for part in PARTS if part in results}
@@ -158,6 +164,13 @@ def main(argv=None):
     if not (args.quick or args.no_readme or args.model) and set(parts) == set(PARTS):
         write_readme(table)
     return summary
+
+
+def part_mode(part, model):
+    """The dtype and weights the part's engine ran (`bfloat16/Q4_1+packed`), as its fingerprint says."""
+    from bench.common import mode_of
+
+    return mode_of(model, *(("auto", "auto") if part in AUTO_PARTS else ()))
 
 
 def in_fresh_process(part, arguments):
@@ -185,13 +198,18 @@ def render(summary):
         f"{m['cores']} cores ({m['threads']} torch threads), {m['memory_gb']} GiB, {m['os']}, "
         f"Python {m['python']}, torch {m['torch']}, CPU only.",
         "",
-        "| part | figure | measured | goal | |",
-        "|---|---|---|---|---|",
+        "Each row names the mode its engine ran: dtype / the weights' quantization, `+packed` where the",
+        "quantized projections ran from their packed blocks (the default is `MILLM_DTYPE=auto`,",
+        "`MILLM_WEIGHTS=auto`, what `make run` serves).",
+        "",
+        "| part | mode | figure | measured | goal | |",
+        "|---|---|---|---|---|---|",
     ]
     for part, figures in summary["parts"].items():
         for item in figures.get("checks", []):
-            verdict = "met" if item["met"] else "**missed**"
-            lines.append(f"| {LABEL.get(part, part)} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
+            verdict = {True: "met", False: "**missed**", None: "–"}[item["met"]]
+            mode = f"`{figures['mode']}`" if figures.get("mode") else "?"
+            lines.append(f"| {LABEL.get(part, part)} | {mode} | {item['figure']} | {item['value']} | {item['goal']} | {verdict} |")
     lines += ["", "| part | sizes and the figures behind the ratios |", "|---|---|"]
     for part, figures in summary["parts"].items():
         detail = "; ".join(f"{label}: {value}" for label, value in figures.get("report", []))

@@ -30,7 +30,7 @@ def main(argv=None, running=None):
     parser.add_argument("--skip", nargs="*", default=[], help="decoders to leave out")
     args = parser.parse_args(argv)
 
-    from bench.common import check, load_resident, report, scoring_texts, setup_django
+    from bench.common import exact_check, load_resident, report, scoring_texts, setup_django
 
     setup_django()
     resident = load_resident(args.model)
@@ -61,8 +61,8 @@ def main(argv=None, running=None):
     checks = []
     if "scheduler" in figures:
         mine = figures["scheduler"]
-        checks.append(check("scheduler rows equal to serial", f"{mine['same_rows']}/{len(prompts)}", "all",
-                            mine["same_rows"] == len(prompts)))
+        checks.append(exact_check("scheduler rows equal to serial", f"{mine['same_rows']}/{len(prompts)}", "all",
+                                  mine["same_rows"] == len(prompts), resident.dtype_name))
     return report("decoders", rows, figures, checks)
 
 

@@ -25,7 +25,7 @@ def main(argv=None, running=None):
     args = parser.parse_args(argv)
 
     from bench.common import (
-        CHAT, chat_lines, check, first_difference, load_resident, output_rows, report, run_batch, scoring_texts,
+        CHAT, chat_lines, check, exact_check, first_difference, load_resident, output_rows, report, run_batch, scoring_texts,
         setup_django, stack_for, start_batch_unless_refused, wait_batch,
     )
     from bench.pipeline import phase_seconds
@@ -102,7 +102,7 @@ def main(argv=None, running=None):
     ]
     return report("generation", rows, figures, [
         check("batched / serial rows per second", f"{ratio:.2f}x", f">= {GOAL}x", ratio >= GOAL),
-        check("rows with the same text", f"{same} of {n}", f"all {n}", same == n),
+        exact_check("rows with the same text", f"{same} of {n}", f"all {n}", same == n, resident.dtype_name),
     ])
 
 

@@ -5,11 +5,15 @@ The parts that start servers of their own run with `-m slow`."""
 import json
 
 import pytest
+import torch
 
 from bench import __main__ as suite
 from bench import packing
 from bench.common import first_difference
 from bench.peers import WORK
+from inference_app.engine.loader import pick_dtype
+
+AUTO_DTYPE = str(pick_dtype(torch.device("cpu"), "auto")).removeprefix("torch.")
 
 
 # The parts that start servers of their own (concurrency: two stacks and llama.cpp; replicas: two
@@ -29,6 +33,13 @@ def run_quick(parts):
         for item in figures["checks"]:
             assert set(item) == {"figure", "value", "goal", "met"}, part
     table = suite.render(summary)
+    for part, figures in summary["parts"].items():
+        # Each row names its engine's mode: the tiny model has no quantized weights; the suite's
+        # float32, except peers and prefix, which run `auto` themselves.
+        dtype, weights = figures["mode"].split("/")
+        assert weights == "none", (part, figures["mode"])
+        assert dtype == ("float32" if part not in suite.AUTO_PARTS else AUTO_DTYPE), part
+        assert f"| {suite.LABEL.get(part, part)} | `{figures['mode']}` |" in table, part
     checks = sum(len(f["checks"]) for f in summary["parts"].values())
     assert table.count("\n| ") == checks + 1 + 1 + len(parts)  # two headers, a row per check and per part
     assert json.loads((suite.RESULTS / "summary.json").read_text())["quick"] is True
@@ -69,6 +80,19 @@ def test_the_parts_with_servers_of_their_own_run_at_a_tiny_size_and_report_each_
         assert all(value > 0 for value in prefix["medians"][server].values()), server
     # float32 on the tiny model: reuse changes no top token (the part's own exactness check).
     assert prefix["quality"]["float32"]["reuse"]["top_token_changed"] == 0
+
+
+def test_a_float32_promise_is_judged_in_float32_only():
+    from bench.common import exact_check
+
+    assert exact_check("rows equal", "3 of 4", "all 4", False, "float32")["met"] is False
+    unjudged = exact_check("rows equal", "3 of 4", "all 4", False, "bfloat16")
+    assert unjudged["met"] is None and "not judged in bfloat16" in unjudged["goal"]
+    summary = {"date": "d", "seconds": 60, "machine": {"cpu": "c", "cores": 2, "threads": 2, "memory_gb": 1, "os": "o",
+                                                       "python": "3", "torch": "t"},
+               "parts": {"generation": {"mode": "bfloat16/Q4_1+packed", "checks": [unjudged], "report": []}}}
+    assert "| generation | `bfloat16/Q4_1+packed` | rows equal | 3 of 4 |" in suite.render(summary)
+    assert suite.render(summary).count("| – |") == 1
 
 
 def test_first_difference_is_the_first_differing_index_or_the_shorter_length():
