@@ -12,7 +12,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export HOST PORT
 
-.PHONY: install install-extras bytecode db run web engine test chromium bench
+.PHONY: install install-extras bytecode kernels db run web engine test chromium bench
 install: $(STAMP)
 install-extras: $(EXTRAS_STAMP)
 
@@ -38,26 +38,32 @@ CODE := millm_lib millm_site projects_app inference_app files_app webhooks_app b
 bytecode: install
 	$(PY) -m compileall -q $(CODE) > /dev/null
 
+# The block kernel (inference_app/engine/kernels/block_dot.cpp), built once per machine and
+# source into torch's extensions folder: a minute the first time, nothing after. Where it cannot
+# be built it says why, and the engines run the int4 kernel instead.
+kernels: install
+	$(PY) -m inference_app.engine.block_kernel
+
 db: install
 	$(PY) manage.py ensuredb
 	$(PY) manage.py migrate --noinput
 
 # bin/run creates and migrates the database itself, after starting any server that is missing.
-run: install bytecode
+run: install bytecode kernels
 	bin/run
 
 web: db bytecode
 	$(VENV)/bin/uvicorn millm_site.asgi:application --host $(HOST) --port $(PORT) --lifespan off
 
-engine: db bytecode
+engine: db bytecode kernels
 	$(PY) manage.py runbatchworker
 
-test: install-extras chromium bytecode
+test: install-extras chromium bytecode kernels
 	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
 # Every benchmark part (about 30 minutes on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.
-bench: db install-extras
+bench: db install-extras kernels
 	$(PY) -m bench $(PARTS)
 
 # The admin's browser test drives Debian's chromium; a browser download is not possible here.

@@ -252,8 +252,10 @@ def run_batch(client, lines, endpoint=COMPLETIONS, poll_s=0.25):
 
 
 def tiny_model():
-    """The tests' tiny random Llama (made once by createtestmodel): where the model is nearly free."""
-    from tests.conftest import build_test_model
+    """The tests' tiny random Llama (made once by createtestmodel): where the model is nearly free.
+    From tests/model_files.py, not conftest.py, whose import would pin the suite's float32 on
+    every part (as it did on every `make bench` before 2026-12-05)."""
+    from tests.model_files import build_test_model
 
     return build_test_model()
 

@@ -146,7 +146,7 @@ MILLM_CHAT_TEMPLATE = envstr("MILLM_CHAT_TEMPLATE")
 MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
 MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 # What a GGUF's Q4_0/Q4_1/Q8_0 projections run from (SPEC 7a, inference_app/engine/quantized.py).
-MILLM_WEIGHTS = envchoice("MILLM_WEIGHTS", "auto", ["auto", "dense", "quantized"])
+MILLM_WEIGHTS = envchoice("MILLM_WEIGHTS", "auto", ["auto", "dense", "quantized", "blocks"])
 # `decode`: the scheduler's decode steps run through torch.compile, compiled at load
 # (inference_app/engine/compiled.py); `off` runs every forward pass eagerly.
 MILLM_COMPILE = envchoice("MILLM_COMPILE", "off", ["off", "decode"])

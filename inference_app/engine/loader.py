@@ -85,10 +85,11 @@ def flags_of(cpuinfo):
 
 
 def pick_weights(device, setting=None, dtype_setting=None):
-    """MILLM_WEIGHTS: what a GGUF's Q4_0/Q4_1/Q8_0 projections run from. `dense` (the
-    de-quantized weights), `quantized` (packed at every width), `auto` (packed where the kernel
-    measures faster at load, per shape and width) except under an explicit MILLM_DTYPE=float32,
-    which stays the exact reference. The packed kernel is torch's CPU one: dense elsewhere."""
+    """MILLM_WEIGHTS: what a GGUF's quantized projections run from. `dense` (the de-quantized
+    weights), `quantized` (torch's int4 kernel at every width), `blocks` (the block kernel at
+    every width, block_kernel.py), `auto` (packed where a kernel measures faster at load, per
+    shape and width) except under an explicit MILLM_DTYPE=float32, which stays the exact
+    reference. Both kernels are CPU ones: dense elsewhere."""
     setting = setting or settings.MILLM_WEIGHTS
     dtype_setting = dtype_setting or settings.MILLM_DTYPE
     if setting == "dense" or device.type != "cpu":

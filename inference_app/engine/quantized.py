@@ -45,7 +45,7 @@ import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-from inference_app.engine import gguf_reading
+from inference_app.engine import block_kernel, gguf_reading
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +191,11 @@ def _int4pack(q, rows=8192):
 
 
 class PackedLinear(torch.nn.Module):
-    """nn.Linear's forward from packed int4 halves at up to `max_rows` rows (None: every
-    width), dense above."""
+    """nn.Linear's forward from packed weights at up to `max_rows` rows (None: every width),
+    dense above: torch's int4 kernel on int4 halves (`parts`), or the block kernel on the file's
+    own blocks (`blocks`: (GGML type, [out, bytes a row] uint8), block_kernel.py)."""
 
-    def __init__(self, linear, parts, max_rows):
+    def __init__(self, linear, parts, max_rows, blocks=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties and the state dict are unchanged
@@ -203,24 +204,34 @@ class PackedLinear(torch.nn.Module):
         self.packs = [
             (_int4pack(part.q),
              torch.stack([part.scale.t(), part.zero.t()], dim=-1).to(torch.bfloat16).contiguous())
-            for part in parts
+            for part in parts or ()
         ]
+        self.blocks = blocks
 
     @property
     def packed(self):
-        return bool(self.packs)
+        return bool(self.packs) or self.blocks is not None
+
+    @property
+    def form(self):
+        """Which kernel runs it: `blocks` or `int4`."""
+        return "blocks" if self.blocks is not None else "int4"
 
     @property
     def packed_bytes(self):
-        return sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.packs)
+        blocks = self.blocks[1].numel() if self.blocks is not None else 0
+        return blocks + sum(p.numel() * p.element_size() + s.numel() * s.element_size() for p, s in self.packs)
 
     def unpack(self):
         """The dense weight changed (an edit, a checkpoint): run dense from now on."""
         self.packs = []
+        self.blocks = None
 
     def kernel(self, x):
-        """The packed product of `x` [rows, in]: the kernel's own bfloat16 output for one pack,
-        the halves summed in float32 for two (Q8_0)."""
+        """The packed product of `x` [rows, in]: the block kernel's float32; else the int4
+        kernel's own bfloat16 output for one pack, the halves summed in float32 for two (Q8_0)."""
+        if self.blocks is not None:
+            return block_kernel.block_mm(x, self.blocks[1], self.blocks[0])
         x = x.to(torch.bfloat16).contiguous()
         parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
                  for packed, scales_and_zeros in self.packs]
@@ -228,7 +239,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x):
         rows = x.numel() // self.in_features
-        if not self.packs or (self.max_rows is not None and rows > self.max_rows):
+        if not self.packed or (self.max_rows is not None and rows > self.max_rows):
             return F.linear(x, self.weight, self.bias)
         out = self.kernel(x.reshape(rows, self.in_features))
         if self.bias is not None:
@@ -249,26 +260,32 @@ class Packing:
     dense_bytes: int
     widths: dict  # (kind, out, in) -> largest width run packed (0: dense)
     no_kernel: dict = None  # type name -> projections of that type, which run dense
+    forms: dict = None  # (kind, out, in) -> the kernel that runs it packed: "blocks" or "int4"
+    blocks_unavailable: str = None  # why the block kernel does not run here, where it was wanted
 
     @property
     def label(self):
         return "packed" if self.packed else "dense"
 
     def describe(self):
-        shapes = ", ".join(f"{kind} {rows}x{cols}: {_width_words(width)}"
+        forms = self.forms or {}
+        shapes = ", ".join(f"{kind} {rows}x{cols}: {_width_words(width, forms.get((kind, rows, cols)))}"
                            for (kind, rows, cols), width in sorted(self.widths.items()))
         words = (f"{self.packed} of {self.candidates} packable projections packed ({shapes}); "
                  f"{self.packed_bytes / 2**20:.1f} MiB packed beside {self.dense_bytes / 2**20:.1f} MiB dense")
+        if self.blocks_unavailable:
+            words += f"; no block kernel: {self.blocks_unavailable}"
         if self.no_kernel:
             kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(self.no_kernel.items()))
             words += f"; dense for want of a kernel: {kinds}"
         return words
 
 
-def _width_words(width):
+def _width_words(width, form=None):
+    kernel = f" ({form} kernel)" if form else ""
     if width is None:
-        return "packed at every width"
-    return "dense" if width == 0 else f"packed up to {width} rows"
+        return f"packed at every width{kernel}"
+    return "dense" if width == 0 else f"packed up to {width} rows{kernel}"
 
 
 def file_tensors(path, cache=None):
@@ -359,20 +376,21 @@ def row_orders(model, gguf_name, rows):
     return orders
 
 
-def matching_parts(weight, parts, orders):
-    """The parts in the dense weight's row order, or None when no order reproduces the weight
-    to the rounding of its dtype."""
+def matching_order(weight, parts, orders):
+    """The first of `orders` in which the parts' rows reproduce the dense weight to the rounding
+    of its dtype, or None when none does."""
     reference = dequantized(parts)
     low, high = torch.aminmax(reference)
     tolerance = torch.finfo(weight.dtype).eps * (max(-float(low), float(high)) + 1e-6)
-    for order in orders:
-        if _largest_difference(reference, weight.detach(), order) > tolerance:
-            continue
-        if torch.equal(order, torch.arange(len(order))):
-            return parts
-        return [Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous())
-                for p in parts]
-    return None
+    return next((order for order in orders if _largest_difference(reference, weight.detach(), order) <= tolerance), None)
+
+
+def in_order(parts, blocks, order):
+    """The parts and the file's blocks ([out, bytes a row]) with their rows in `order`."""
+    if torch.equal(order, torch.arange(len(order))):
+        return parts, blocks
+    return ([Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous()) for p in parts],
+            blocks[order].contiguous())
 
 
 def _largest_difference(reference, dense, order, rows=8192):
@@ -395,7 +413,7 @@ def pack(model, path, mode, cache=None):
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
-    candidates, widths, no_kernel = [], {}, {}
+    candidates, widths, forms, no_kernel = [], {}, {}, {}
     for name, gguf_name in names.items():
         linear = modules.get(name)
         if not isinstance(linear, torch.nn.Linear):
@@ -404,34 +422,66 @@ def pack(model, path, mode, cache=None):
         if blocks is None:
             no_kernel[kind.name] = no_kernel.get(kind.name, 0) + 1
             continue
-        parts = halves(kind, np.asarray(blocks))
-        parts = matching_parts(linear.weight, parts, row_orders(model, gguf_name, linear.out_features))
-        if parts is None:
+        blocks = np.asarray(blocks)
+        parts = halves(kind, blocks)
+        order = matching_order(linear.weight, parts, row_orders(model, gguf_name, linear.out_features))
+        if order is None:
             log.warning("%s: the file's %s blocks do not reproduce the loaded weight; it runs dense", name, gguf_name)
             continue
-        candidates.append((name, GGMLQuantizationType(kind).name, linear, parts))
+        rows = torch.from_numpy(np.ascontiguousarray(blocks).reshape(linear.out_features, -1))
+        parts, rows = in_order(parts, rows, order)
+        candidates.append((name, GGMLQuantizationType(kind), linear, parts, rows))
+    wants_blocks = mode in ("auto", "blocks") and any(kind in block_kernel.KINDS for _, kind, *_ in candidates)
+    has_blocks = wants_blocks and block_kernel.extension() is not None
     packed = 0
-    flush = _CacheFlush() if mode != "quantized" and candidates else None
-    for name, kind, linear, parts in candidates:
-        shape = (kind, linear.out_features, linear.in_features)
+    flush = _CacheFlush() if mode == "auto" and candidates else None
+    for name, kind, linear, parts, rows in candidates:
+        shape = (kind.name, linear.out_features, linear.in_features)
         if widths.get(shape) == 0:
             continue
-        module = PackedLinear(linear, parts, None)
         if shape not in widths:
-            widths[shape] = None if mode == "quantized" else _packed_width(module, flush)
-        if widths[shape] == 0:
-            continue
-        module.max_rows = widths[shape]
+            forms[shape], widths[shape] = _choose(mode, linear, parts, (kind, rows), flush,
+                                                  has_blocks and kind in block_kernel.KINDS)
+            if widths[shape] == 0:
+                forms.pop(shape)
+                continue
+        if forms[shape] == "blocks":
+            module = PackedLinear(linear, None, widths[shape], blocks=(kind, rows))
+        else:
+            module = PackedLinear(linear, parts, widths[shape])
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         packed += 1
     packing = Packing(
-        packed=packed, candidates=len(candidates), widths=widths, no_kernel=no_kernel,
+        packed=packed, candidates=len(candidates), widths=widths, no_kernel=no_kernel, forms=forms,
+        blocks_unavailable=block_kernel.why_unavailable() if wants_blocks and not has_blocks else None,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )
     log.info("weights: %s", packing.describe())
     return packing
+
+
+def _choose(mode, linear, parts, blocks, flush, with_blocks):
+    """(kernel, width) for a shape: `quantized` the int4 kernel at every width; `blocks` the
+    block kernel at every width where its type has one (else the int4 kernel); `auto` each
+    kernel timed against the dense matmul (`_packed_width`), the one packed to the larger width
+    kept (at a tie, the faster at one row), width 0 where neither clearly won at one row."""
+    if mode == "quantized" or (mode == "blocks" and not with_blocks):
+        return "int4", None
+    if mode == "blocks":
+        return "blocks", None
+    int4 = PackedLinear(linear, parts, None)
+    timed = {"int4": (_packed_width(int4, flush), int4)}
+    if with_blocks:
+        module = PackedLinear(linear, None, None, blocks=blocks)
+        timed["blocks"] = (_packed_width(module, flush), module)
+    if len(timed) == 2 and timed["blocks"][0] == timed["int4"][0] > 0:
+        x = torch.randn(1, linear.in_features, dtype=linear.weight.dtype)
+        speed = {form: _best_time(lambda m=module: m.kernel(x), 7, flush) for form, (_, module) in timed.items()}
+        return min(speed, key=speed.get), timed["int4"][0]
+    form = max(timed, key=lambda name: timed[name][0])
+    return form, timed[form][0]
 
 
 @torch.inference_mode()

@@ -107,3 +107,17 @@ def test_packed_and_single_agree_in_the_packing_part(test_model_dir):
     assert figures["rows"] == 6
     assert figures["largest_logprob_difference"] < 1e-4  # float32: packed agrees with single
     assert figures["embeddings_min_cosine"] > 0.9999
+
+
+def test_the_bench_measures_the_dtype_the_environment_sets_not_the_suites():
+    """bench.common's tiny model comes from tests/model_files.py: importing conftest.py (as it
+    once did) pinned float32 on every part of `make bench`."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "MILLM_DTYPE"}
+    script = ("from bench.common import setup_django, tiny_model; setup_django(); tiny_model(); "
+              "from django.conf import settings; import os; print(settings.MILLM_DTYPE, os.environ.get('MILLM_DTYPE'))")
+    shown = subprocess.run([sys.executable, "-c", script], env=env, cwd=suite.ROOT, capture_output=True, text=True, check=True)
+    assert shown.stdout.split() == ["auto", "None"]

@@ -1,0 +1,86 @@
+"""A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
+(kernels/block_dot.cpp): the activations rounded to int8 per block of 32, the weight's integers
+met in AVX2's byte multiply-add. It reads the file's bytes (Q4_1: 0.625 bytes a weight; Q8_0:
+1.06, once, where the int4 kernel reads two halves) at any number of rows.
+
+Built once per machine and source by torch's C++ extension tooling (`make install` builds it;
+an engine that finds it unbuilt builds it at load), in torch's extensions folder
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`). Where the CPU lacks AVX2, FMA or
+F16C, or no compiler is found, `extension()` is None and says why; the int4 kernel and the dense
+weights run as before.
+"""
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import ninja
+from gguf import GGMLQuantizationType
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "block_dot.cpp"
+KINDS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+                   GGMLQuantizationType.Q8_0})
+REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# -fopenmp: at::parallel_for runs on torch's own OpenMP pool only where the extension is built
+# with OpenMP (without it, it runs serially); torch's wheel ships the libgomp it binds to.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
+class Unavailable(Exception):
+    """Why the block kernel does not run here (the start-up line says it)."""
+
+
+@functools.cache
+def _build():
+    from inference_app.engine.loader import cpu_flags
+
+    missing = REQUIRED_FLAGS - cpu_flags()
+    if missing:
+        raise Unavailable(f"the CPU lacks {', '.join(sorted(missing))}")
+    from torch.utils.cpp_extension import load
+
+    # torch runs `ninja` by name: the wheel's binary, where the engine's PATH lacks the venv.
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    started = time.monotonic()
+    try:
+        module = load(name="millm_block_dot", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                      verbose=False)
+    except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
+        raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+    log.info("block kernel ready in %.1f s (built once per machine and source)", time.monotonic() - started)
+    return module
+
+
+def extension():
+    """The compiled module, or None where it cannot run here (`why_unavailable` says why)."""
+    try:
+        return _build()
+    except Unavailable:
+        return None
+
+
+def why_unavailable():
+    try:
+        _build()
+    except Unavailable as reason:
+        return str(reason)
+    return None
+
+
+def block_mm(x, blocks, kind):
+    """x [rows, in] times the tensor whose GGUF blocks are `blocks` ([out, bytes a row] uint8):
+    float32 [rows, out]."""
+    return extension().block_mm(x, blocks, int(kind))
+
+
+if __name__ == "__main__":  # `python -m inference_app.engine.block_kernel`: build it now (make install)
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "millm_site.settings")
+    django.setup()
+    reason = why_unavailable()
+    print(f"block kernel: {'built' if reason is None else 'not available: ' + reason}")

@@ -1,0 +1,139 @@
+"""The block kernel (block_kernel.py): a GGUF tensor's own blocks times activations rounded to
+int8 per block of 32, llama.cpp's arithmetic, on blocks gguf-py quantized and on the packaged
+GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto` choosing it; a CPU without it says why."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from inference_app.engine import block_kernel, loader, quantized
+from inference_app.engine.loader import load_model, pick_weights
+from inference_app.engine.runtime import ResidentModel
+from tests.inference.test_quantized import CPU, tiny_packed  # noqa: F401 (a fixture)
+
+KINDS = sorted(block_kernel.KINDS)
+needs_kernel = pytest.mark.skipif(block_kernel.extension() is None,
+                                  reason=f"no block kernel here: {block_kernel.why_unavailable()}")
+
+
+def llama_cpp_product(x, blocks, kind):
+    """What the kernel computes, in float64: x rounded per block of 32 to d_x·q_x (d_x =
+    max|x| / 127, q_x = round(x / d_x)) times the file's de-quantized weight, and for Q4_1
+    (w = d·q + m) the minimum times the exact sum of x instead of the rounded one."""
+    parts = quantized.halves(kind, blocks)
+    weight = quantized.dequantized(parts).double()
+    rows, columns = x.shape
+    grouped = x.double().reshape(rows, columns // 32, 32)
+    scale = grouped.abs().amax(dim=-1, keepdim=True) / 127
+    rounded = torch.where(scale > 0, torch.round(grouped / scale), 0) * scale
+    product = rounded.reshape(rows, columns) @ weight.t()
+    if kind == GGMLQuantizationType.Q4_1:
+        minimum = (parts[0].zero - 8 * parts[0].scale).double()  # [out, blocks]
+        product += (grouped.sum(-1) - rounded.sum(-1)) @ minimum.t()
+    return product
+
+
+def within_int8_rounding(out, x, weight):
+    """|out - x·wᵀ| within what rounding x to int8 per block can move it: each activation by at
+    most half its block's step max|x| / 127, so each product by those half-steps times |w|."""
+    x, weight = x.double(), weight.double()
+    rows = x.shape[0]
+    steps = (x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(rows, -1)
+    return bool(((out.double() - x @ weight.t()).abs() <= (steps / 2) @ weight.abs().t() + 1e-4).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 17])  # 17: past the 16 rows the kernel holds at once
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(kind, rows):
+    generator = np.random.default_rng(11)
+    blocks = quants.quantize(generator.normal(size=(80, 256)).astype(np.float32), kind)
+    x = torch.randn(rows, 256)
+    x[0, :32] = 0  # an all-zero block of activations (scale 0)
+    out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
+    assert out.dtype == torch.float32 and out.shape == (rows, 80)
+    expected = llama_cpp_product(x, blocks, kind)
+    # The same arithmetic to float32's rounding of the sums ...
+    assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
+    # ... and the exact product to the int8 rounding of the activations.
+    assert within_int8_rounding(out, x, quantized.dequantized(quantized.halves(kind, blocks)))
+    # A bfloat16 activation is read as the same value in float32.
+    x16 = x.to(torch.bfloat16)
+    assert torch.equal(block_kernel.block_mm(x16, torch.from_numpy(blocks), kind),
+                       block_kernel.block_mm(x16.float(), torch.from_numpy(blocks), kind))
+
+
+@needs_kernel
+def test_a_shape_that_does_not_match_its_blocks_is_refused():
+    blocks = torch.zeros(4, 20 * 8, dtype=torch.uint8)  # 8 Q4_1 blocks a row: 256 inputs
+    with pytest.raises(RuntimeError, match="do not match"):
+        block_kernel.block_mm(torch.randn(1, 128), blocks, GGMLQuantizationType.Q4_1)
+
+
+@needs_kernel
+def test_blocks_runs_every_projection_of_the_tiny_model_on_the_block_kernel(tiny_packed):  # noqa: F811
+    loaded, cache = tiny_packed
+    model = loaded.model
+    prompt = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.inference_mode():
+        dense = model(input_ids=prompt).logits[0, -1]
+        packing = quantized.pack(model, None, "blocks", cache=cache)
+        packed = model(input_ids=prompt).logits[0, -1]
+    layers = model.config.num_hidden_layers
+    assert packing.packed == packing.candidates == 7 * layers + 1
+    assert {form for form in packing.forms.values()} == {"blocks"}
+    assert all(module.form == "blocks" and not module.packs for module in quantized.packed_modules(model))
+    assert "(blocks kernel)" in packing.describe() and "no block kernel" not in packing.describe()
+    assert ResidentModel(loaded).fingerprint.endswith("+packed:transformers")
+    # llama.cpp's arithmetic on the same 4-bit values: close to the dense pass, not equal to it.
+    assert not torch.equal(dense, packed)
+    assert float((dense - packed).abs().max()) < 0.05 * float(dense.abs().max())
+    # An edited projection runs dense from then on, its blocks dropped.
+    target = model.model.layers[0].mlp.up_proj
+    target.unpack()
+    assert not target.packed and target.packed_bytes == 0
+
+
+@needs_kernel
+def test_the_packaged_ggufs_blocks_run_on_the_block_kernel_and_answer(default_source):
+    loaded = load_model(default_source, weights="blocks")
+    packed = quantized.packed_modules(loaded.model)
+    assert len(packed) == 211 and {module.form for module in packed} == {"blocks"}
+    head = loaded.model.lm_head  # the Q8_0 token embedding, read once (not as two int4 halves)
+    assert head.blocks[0] == GGMLQuantizationType.Q8_0 and head.packed_bytes == head.weight.numel() // 32 * 34
+    for module in (loaded.model.model.layers[0].self_attn.q_proj,  # rows permuted by transformers
+                   loaded.model.model.layers[29].mlp.down_proj, head):
+        x = torch.randn(3, module.in_features)
+        with torch.inference_mode():
+            assert within_int8_rounding(module(x), x, module.weight), module
+    from inference_app.engine import services
+    from inference_app.schemas import parse_request
+
+    runtime = ResidentModel(loaded)
+    parsed = parse_request(
+        "/v1/chat/completions",
+        {"model": runtime.model_id, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "max_tokens": 12, "temperature": 0},
+        strict=True,
+    )
+    assert "Paris" in services.run(runtime, parsed).body["choices"][0]["message"]["content"]
+
+
+def test_blocks_is_a_weights_setting_of_its_own():
+    assert pick_weights(CPU, "blocks", "float32") == "blocks"  # asked for by name, even in float32
+    assert pick_weights(CPU, "blocks", "auto") == "blocks"
+
+
+def test_a_cpu_without_avx2_runs_the_int4_kernel_and_says_why(tiny_packed, monkeypatch):  # noqa: F811
+    loaded, cache = tiny_packed
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2"}))
+    block_kernel._build.cache_clear()
+    try:
+        assert block_kernel.extension() is None
+        assert block_kernel.why_unavailable() == "the CPU lacks avx2, f16c, fma"
+        packing = quantized.pack(loaded.model, None, "blocks", cache=cache)
+    finally:
+        block_kernel._build.cache_clear()
+    assert packing.packed == packing.candidates and set(packing.forms.values()) == {"int4"}
+    assert "no block kernel: the CPU lacks avx2, f16c, fma" in packing.describe()
