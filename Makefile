@@ -61,7 +61,7 @@ engine: db bytecode kernels
 test: install-extras chromium bytecode kernels
 	$(PY) scripts/services.py run -- $(PY) -m pytest $(PYTEST_ARGS)
 
-# Every benchmark part (about 30 minutes on 2 cores); it rewrites the README's results table and
+# Every benchmark part (30 minutes to over two hours on 2 cores); it rewrites the README's results table and
 # docs/bench/packing.png. One part alone: `make bench PARTS=roundtrip` or `python -m bench.roundtrip`.
 bench: db install-extras kernels
 	$(PY) -m bench $(PARTS)

@@ -19,6 +19,8 @@ from pathlib import Path
 import ninja
 from gguf import GGMLQuantizationType
 
+from inference_app.engine import cpu
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "block_dot.cpp"
@@ -36,9 +38,7 @@ class Unavailable(Exception):
 
 @functools.cache
 def _build():
-    from inference_app.engine.loader import cpu_flags
-
-    missing = REQUIRED_FLAGS - cpu_flags()
+    missing = REQUIRED_FLAGS - cpu.cpu_flags()
     if missing:
         raise Unavailable(f"the CPU lacks {', '.join(sorted(missing))}")
     from torch.utils.cpp_extension import load

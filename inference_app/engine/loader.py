@@ -5,7 +5,6 @@ is written once to a conversion cache under MILLM_DATA_DIR, so a second start lo
 safetensors instead of de-quantizing again.
 """
 
-import functools
 import hashlib
 import json
 import logging
@@ -23,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from inference_app.catalogue import ModelSource
 from inference_app import chat_templates
 from inference_app.engine import attention, gguf_reading, quantized
+from inference_app.engine.cpu import cpu_flags, flags_of  # noqa: F401 (flags_of: the tests' recorded texts)
 from inference_app.models import ModelEntry
 
 log = logging.getLogger(__name__)
@@ -64,24 +64,6 @@ def pick_dtype(device, setting=None, flags=None):
     if device.type == "cpu" and NATIVE_BFLOAT16 & (cpu_flags() if flags is None else set(flags)):
         return torch.bfloat16
     return torch.float32
-
-
-@functools.cache
-def cpu_flags():
-    """The CPU's feature flags as Linux lists them (none where there is no /proc/cpuinfo)."""
-    try:
-        return flags_of(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return frozenset()
-
-
-def flags_of(cpuinfo):
-    """The first processor's `flags` line of a /proc/cpuinfo text, as a set (empty if none)."""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
 
 
 def pick_weights(device, setting=None, dtype_setting=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from inference_app.engine import block_kernel, loader, quantized
+from inference_app.engine import block_kernel, cpu, quantized
 from inference_app.engine.loader import load_model, pick_weights
 from inference_app.engine.runtime import ResidentModel
 from tests.inference.test_quantized import CPU, tiny_packed  # noqa: F401 (a fixture)
@@ -127,7 +127,7 @@ def test_blocks_is_a_weights_setting_of_its_own():
 
 def test_a_cpu_without_avx2_runs_the_int4_kernel_and_says_why(tiny_packed, monkeypatch):  # noqa: F811
     loaded, cache = tiny_packed
-    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset({"sse2"}))
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2"}))
     block_kernel._build.cache_clear()
     try:
         assert block_kernel.extension() is None
