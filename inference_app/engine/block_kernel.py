@@ -3,20 +3,26 @@
 met in AVX2's byte multiply-add. It reads the file's bytes (Q4_1: 0.625 bytes a weight; Q8_0:
 1.06, once, where the int4 kernel reads two halves) at any number of rows.
 
-Built once per machine and source by torch's C++ extension tooling (`make install` builds it;
-an engine that finds it unbuilt builds it at load), in torch's extensions folder
-(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`). Where the CPU lacks AVX2, FMA or
+Built once per machine and source by torch's C++ extension tooling (`make kernels` builds it;
+an engine that finds it unbuilt builds it at load), in a folder of torch's extensions folder
+(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) named by a digest of the source,
+the flags and the torch and Python versions, from a copy of the source kept there: every
+checkout of the same source shares one build (torch's own keying rebuilt it for each clone,
+its commands naming the checkout's path). Where the CPU lacks AVX2, FMA or
 F16C, or no compiler is found, `extension()` is None and says why; the int4 kernel and the dense
 weights run as before.
 """
 
 import functools
+import hashlib
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 import ninja
+import torch
 from gguf import GGMLQuantizationType
 
 from inference_app.engine import cpu
@@ -47,12 +53,31 @@ def _build():
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     started = time.monotonic()
     try:
-        module = load(name="millm_block_dot", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                      verbose=False)
+        name, source = _build_source()
+        module = load(name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                      build_directory=str(source.parent), verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
         raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
     log.info("block kernel ready in %.1f s (built once per machine and source)", time.monotonic() - started)
     return module
+
+
+def _build_source():
+    """(module name, the source's copy in its own build folder): both named by a digest of
+    what the build depends on, so another checkout of the same source finds the build made."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    code = SOURCE.read_bytes()
+    key = "\0".join([*FLAGS, torch.__version__, sys.version]).encode()
+    name = f"millm_block_dot_{hashlib.sha256(code + key).hexdigest()[:16]}"
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    copy = folder / SOURCE.name
+    if not copy.exists() or copy.read_bytes() != code:
+        staging = folder / f".{SOURCE.name}.{os.getpid()}"
+        staging.write_bytes(code)
+        os.replace(staging, copy)  # whole or not at all, where two processes build at once
+    return name, copy
 
 
 def extension():

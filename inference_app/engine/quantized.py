@@ -428,32 +428,39 @@ def pack(model, path, mode, cache=None):
         if order is None:
             log.warning("%s: the file's %s blocks do not reproduce the loaded weight; it runs dense", name, gguf_name)
             continue
-        rows = torch.from_numpy(np.ascontiguousarray(blocks).reshape(linear.out_features, -1))
+        # A copy: a file's blocks are a read-only map, which torch refuses to share (a warning).
+        rows = torch.from_numpy(np.array(blocks, copy=True).reshape(linear.out_features, -1))
         parts, rows = in_order(parts, rows, order)
         candidates.append((name, GGMLQuantizationType(kind), linear, parts, rows))
     wants_blocks = mode in ("auto", "blocks") and any(kind in block_kernel.KINDS for _, kind, *_ in candidates)
     has_blocks = wants_blocks and block_kernel.extension() is not None
     packed = 0
     flush = _CacheFlush() if mode == "auto" and candidates else None
-    for name, kind, linear, parts, rows in candidates:
+    count = len(candidates)
+    for index in range(count):
+        # Taken out of the list: a packed projection keeps one form, and the other (a Q8_0
+        # head's halves are 1 byte a weight) goes now, not when the whole model is packed.
+        name, kind, linear, parts, rows = candidates[index]
+        candidates[index] = None
         shape = (kind.name, linear.out_features, linear.in_features)
         if widths.get(shape) == 0:
             continue
+        module = None
         if shape not in widths:
-            forms[shape], widths[shape] = _choose(mode, linear, parts, (kind, rows), flush,
-                                                  has_blocks and kind in block_kernel.KINDS)
+            forms[shape], widths[shape], module = _choose(mode, linear, parts, (kind, rows), flush,
+                                                          has_blocks and kind in block_kernel.KINDS)
             if widths[shape] == 0:
                 forms.pop(shape)
                 continue
-        if forms[shape] == "blocks":
+        if module is None and forms[shape] == "blocks":
             module = PackedLinear(linear, None, widths[shape], blocks=(kind, rows))
-        else:
+        elif module is None:
             module = PackedLinear(linear, parts, widths[shape])
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         packed += 1
     packing = Packing(
-        packed=packed, candidates=len(candidates), widths=widths, no_kernel=no_kernel, forms=forms,
+        packed=packed, candidates=count, widths=widths, no_kernel=no_kernel, forms=forms,
         blocks_unavailable=block_kernel.why_unavailable() if wants_blocks and not has_blocks else None,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -463,14 +470,15 @@ def pack(model, path, mode, cache=None):
 
 
 def _choose(mode, linear, parts, blocks, flush, with_blocks):
-    """(kernel, width) for a shape: `quantized` the int4 kernel at every width; `blocks` the
-    block kernel at every width where its type has one (else the int4 kernel); `auto` each
+    """(kernel, width, module) for a shape: `quantized` the int4 kernel at every width; `blocks`
+    the block kernel at every width where its type has one (else the int4 kernel); `auto` each
     kernel timed against the dense matmul (`_packed_width`), the one packed to the larger width
-    kept (at a tie, the faster at one row), width 0 where neither clearly won at one row."""
+    kept (at a tie, the faster at one row), width 0 where neither clearly won at one row. The
+    module is the shape's first projection packed in that form (None where none is built)."""
     if mode == "quantized" or (mode == "blocks" and not with_blocks):
-        return "int4", None
+        return "int4", None, None
     if mode == "blocks":
-        return "blocks", None
+        return "blocks", None, None
     int4 = PackedLinear(linear, parts, None)
     timed = {"int4": (_packed_width(int4, flush), int4)}
     if with_blocks:
@@ -479,9 +487,12 @@ def _choose(mode, linear, parts, blocks, flush, with_blocks):
     if len(timed) == 2 and timed["blocks"][0] == timed["int4"][0] > 0:
         x = torch.randn(1, linear.in_features, dtype=linear.weight.dtype)
         speed = {form: _best_time(lambda m=module: m.kernel(x), 7, flush) for form, (_, module) in timed.items()}
-        return min(speed, key=speed.get), timed["int4"][0]
-    form = max(timed, key=lambda name: timed[name][0])
-    return form, timed[form][0]
+        form = min(speed, key=speed.get)
+    else:
+        form = max(timed, key=lambda name: timed[name][0])
+    width, module = timed[form]
+    module.max_rows = width
+    return form, width, module
 
 
 @torch.inference_mode()

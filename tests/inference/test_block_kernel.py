@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, quants
 from inference_app.engine import block_kernel, cpu, quantized
 from inference_app.engine.loader import load_model, pick_weights
 from inference_app.engine.runtime import ResidentModel
-from tests.inference.test_quantized import CPU, tiny_packed  # noqa: F401 (a fixture)
+from tests.inference.test_quantized import CPU, last_logits_before_and_after_packing, tiny_packed  # noqa: F401 (a fixture)
 
 KINDS = sorted(block_kernel.KINDS)
 needs_kernel = pytest.mark.skipif(block_kernel.extension() is None,
@@ -75,11 +75,7 @@ def test_a_shape_that_does_not_match_its_blocks_is_refused():
 def test_blocks_runs_every_projection_of_the_tiny_model_on_the_block_kernel(tiny_packed):  # noqa: F811
     loaded, cache = tiny_packed
     model = loaded.model
-    prompt = torch.tensor([[1, 5, 9, 200, 31, 7]])
-    with torch.inference_mode():
-        dense = model(input_ids=prompt).logits[0, -1]
-        packing = quantized.pack(model, None, "blocks", cache=cache)
-        packed = model(input_ids=prompt).logits[0, -1]
+    dense, packed, packing = last_logits_before_and_after_packing(model, cache, "blocks")
     layers = model.config.num_hidden_layers
     assert packing.packed == packing.candidates == 7 * layers + 1
     assert {form for form in packing.forms.values()} == {"blocks"}

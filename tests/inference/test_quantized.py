@@ -149,14 +149,21 @@ def _all_gguf_names(model):
     return {name_map.get_name(name) for name, _ in model.named_modules() if name_map.get_name(name)}
 
 
-def test_a_packed_tiny_model_answers_like_its_dense_self(tiny_packed):
-    loaded, cache = tiny_packed
-    model = loaded.model
+def last_logits_before_and_after_packing(model, cache, mode):
+    """(dense logits, packed logits, Packing) of one prompt's last position, the model packed
+    in `mode` between the two passes."""
     prompt = torch.tensor([[1, 5, 9, 200, 31, 7]])
     with torch.inference_mode():
         dense = model(input_ids=prompt).logits[0, -1]
-        packing = quantized.pack(model, None, "quantized", cache=cache)
+        packing = quantized.pack(model, None, mode, cache=cache)
         packed = model(input_ids=prompt).logits[0, -1]
+    return dense, packed, packing
+
+
+def test_a_packed_tiny_model_answers_like_its_dense_self(tiny_packed):
+    loaded, cache = tiny_packed
+    model = loaded.model
+    dense, packed, packing = last_logits_before_and_after_packing(model, cache, "quantized")
     layers = model.config.num_hidden_layers
     assert packing.packed == packing.candidates == 7 * layers + 1  # q k v o gate up down, and the head
     assert isinstance(model.lm_head, quantized.PackedLinear) and model.lm_head.weight is model.model.embed_tokens.weight
