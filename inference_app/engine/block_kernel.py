@@ -1,7 +1,8 @@
 """A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
 (kernels/block_dot.cpp): the activations rounded to int8 per block of 32, the weight's integers
-met in AVX2's byte multiply-add. It reads the file's bytes (Q4_1: 0.625 bytes a weight; Q8_0:
-1.06, once, where the int4 kernel reads two halves) at any number of rows.
+met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it). It reads the
+file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two
+halves; Q6_K, which no int4 kernel takes, 0.82) at any number of rows.
 
 Built once per machine and source by torch's C++ extension tooling (`make kernels` builds it;
 an engine that finds it unbuilt builds it at load), in a folder of torch's extensions folder
@@ -31,11 +32,22 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "block_dot.cpp"
 KINDS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-                   GGMLQuantizationType.Q8_0})
+                   GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+                   GGMLQuantizationType.Q6_K})
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # -fopenmp: at::parallel_for runs on torch's own OpenMP pool only where the extension is built
 # with OpenMP (without it, it runs serially); torch's wheel ships the libgomp it binds to.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+VNNI_CPU = frozenset({"avx512_vnni", "avx512vl"})
+VNNI_FLAGS = ["-mavx512vnni", "-mavx512vl", "-DMILLM_VNNI"]
+
+
+def build_flags(flags=None):
+    """The compiler's flags for this CPU (`flags`: its /proc/cpuinfo flags): VNNI's integer dot
+    product where it has it. The build's folder is named by them, so a machine without VNNI
+    never loads a build that has it."""
+    flags = cpu.cpu_flags() if flags is None else flags
+    return BASE_FLAGS + (VNNI_FLAGS if VNNI_CPU <= flags else [])
 
 
 class Unavailable(Exception):
@@ -54,11 +66,12 @@ def _build():
     started = time.monotonic()
     try:
         name, source = _build_source()
-        module = load(name=name, sources=[str(source)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        module = load(name=name, sources=[str(source)], extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
                       build_directory=str(source.parent), verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
         raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-    log.info("block kernel ready in %.1f s (built once per machine and source)", time.monotonic() - started)
+    log.info("block kernel%s ready in %.1f s (built once per machine and source)",
+             " (VNNI)" if "-DMILLM_VNNI" in build_flags() else "", time.monotonic() - started)
     return module
 
 
@@ -68,7 +81,7 @@ def _build_source():
     from torch.utils.cpp_extension import get_default_build_root
 
     code = SOURCE.read_bytes()
-    key = "\0".join([*FLAGS, torch.__version__, sys.version]).encode()
+    key = "\0".join([*build_flags(), torch.__version__, sys.version]).encode()
     name = f"millm_block_dot_{hashlib.sha256(code + key).hexdigest()[:16]}"
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     folder.mkdir(parents=True, exist_ok=True)

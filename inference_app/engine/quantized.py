@@ -15,8 +15,9 @@ then reads the file's own blocks again and packs each projection of a PACKABLE t
   q = 16·hi + lo, hi (0 or 1) with scale 16·D and zero 128·D (its value 16·D·hi), lo with
   scale D and zero -8·d (Q5_0) or 8·D - dmin·m_j (Q5_K), where D is d or d·sc_j.
 
-Q6_K stays dense: its sub-blocks have 16 weights, and the kernel takes groups of 32, 64, 128
-or 256 only. The start-up line names the types that stay dense for want of a kernel.
+Q6_K has no int4 form: its sub-blocks have 16 weights, and the kernel takes groups of 32, 64,
+128 or 256 only. It runs packed on the block kernel (block_kernel.py, which takes every kind
+above too), and dense where that kernel does not run here or the mode is `quantized`. The start-up line names the types that stay dense for want of a kernel.
 
 So the packed product uses the file's de-quantized values, to the bfloat16 rounding of the
 scales and of the kernel's activations (a two-half kind calls the kernel twice). Before a projection is packed, its blocks (in the row
@@ -50,8 +51,11 @@ from inference_app.engine import block_kernel, gguf_reading
 log = logging.getLogger(__name__)
 
 GROUP = 32
+# The types whose blocks are read: those with an int4 form (HALVES, below) and Q6_K, which only
+# the block kernel takes.
 PACKABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K,
-            GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q8_0}
+            GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+            GGMLQuantizationType.Q8_0}
 # A block cache's metadata key for the PACKABLE set it was written for: a cache from before a
 # type became packable lacks that type's blocks, and is read again from the file.
 CACHE_KINDS = "millm-packable"
@@ -376,21 +380,28 @@ def row_orders(model, gguf_name, rows):
     return orders
 
 
-def matching_order(weight, parts, orders):
-    """The first of `orders` in which the parts' rows reproduce the dense weight to the rounding
-    of its dtype, or None when none does."""
-    reference = dequantized(parts)
+def file_values(kind, blocks, parts=None):
+    """The tensor's values [out, in] float32: the int4 halves' sum where it has them (the values
+    the int4 kernel multiplies by), else gguf's own de-quantizer (Q6_K)."""
+    if parts:
+        return dequantized(parts)
+    return torch.from_numpy(gguf.quants.dequantize(blocks, kind).reshape(blocks.shape[0], -1))
+
+
+def matching_order(weight, reference, orders):
+    """The first of `orders` in which the rows of `reference` (the file's values) reproduce the
+    dense weight to the rounding of its dtype, or None when none does."""
     low, high = torch.aminmax(reference)
     tolerance = torch.finfo(weight.dtype).eps * (max(-float(low), float(high)) + 1e-6)
     return next((order for order in orders if _largest_difference(reference, weight.detach(), order) <= tolerance), None)
 
 
 def in_order(parts, blocks, order):
-    """The parts and the file's blocks ([out, bytes a row]) with their rows in `order`."""
+    """The parts (None: none) and the file's blocks ([out, bytes a row]) with their rows in `order`."""
     if torch.equal(order, torch.arange(len(order))):
         return parts, blocks
-    return ([Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous()) for p in parts],
-            blocks[order].contiguous())
+    return ([Int4Half(p.q[order].contiguous(), p.scale[order].contiguous(), p.zero[order].contiguous())
+             for p in parts or ()] or None, blocks[order].contiguous())
 
 
 def _largest_difference(reference, dense, order, rows=8192):
@@ -414,17 +425,23 @@ def pack(model, path, mode, cache=None):
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
     candidates, widths, forms, no_kernel = [], {}, {}, {}
+
+    def has_kernel(kind):
+        return kind in HALVES or (mode in ("auto", "blocks") and kind in block_kernel.KINDS
+                                  and block_kernel.extension() is not None)
+
     for name, gguf_name in names.items():
         linear = modules.get(name)
         if not isinstance(linear, torch.nn.Linear):
             continue
         kind, blocks = tensors[gguf_name]
-        if blocks is None:
+        if blocks is None or not has_kernel(kind):
             no_kernel[kind.name] = no_kernel.get(kind.name, 0) + 1
             continue
         blocks = np.asarray(blocks)
-        parts = halves(kind, blocks)
-        order = matching_order(linear.weight, parts, row_orders(model, gguf_name, linear.out_features))
+        parts = halves(kind, blocks) if kind in HALVES else None
+        order = matching_order(linear.weight, file_values(kind, blocks, parts),
+                               row_orders(model, gguf_name, linear.out_features))
         if order is None:
             log.warning("%s: the file's %s blocks do not reproduce the loaded weight; it runs dense", name, gguf_name)
             continue
@@ -479,8 +496,10 @@ def _choose(mode, linear, parts, blocks, flush, with_blocks):
         return "int4", None, None
     if mode == "blocks":
         return "blocks", None, None
-    int4 = PackedLinear(linear, parts, None)
-    timed = {"int4": (_packed_width(int4, flush), int4)}
+    timed = {}
+    if parts:  # every kind but Q6_K
+        int4 = PackedLinear(linear, parts, None)
+        timed["int4"] = (_packed_width(int4, flush), int4)
     if with_blocks:
         module = PackedLinear(linear, None, None, blocks=blocks)
         timed["blocks"] = (_packed_width(module, flush), module)

@@ -2,35 +2,53 @@
 int8 per block of 32, llama.cpp's arithmetic, on blocks gguf-py quantized and on the packaged
 GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto` choosing it; a CPU without it says why."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+from inference_app.catalogue import model_source
 from inference_app.engine import block_kernel, cpu, quantized
 from inference_app.engine.loader import load_model, pick_weights
 from inference_app.engine.runtime import ResidentModel
-from tests.inference.test_quantized import CPU, last_logits_before_and_after_packing, tiny_packed  # noqa: F401 (a fixture)
+from tests.inference.test_quantized import (CPU, UNQUANTIZABLE, last_logits_before_and_after_packing, random_blocks,
+                                            tiny_packed)  # noqa: F401 (a fixture)
 
 KINDS = sorted(block_kernel.KINDS)
 needs_kernel = pytest.mark.skipif(block_kernel.extension() is None,
                                   reason=f"no block kernel here: {block_kernel.why_unavailable()}")
 
 
+# The kinds with a minimum (w = a·q + minimum per block of 32), where the kernel multiplies the
+# minimum by the exact sum of the block's activations; and where the minimum's bytes lie (the
+# integers q that, set to 0, leave w = minimum).
+MINIMUM_BYTES = {GGMLQuantizationType.Q4_1: slice(4, 20), GGMLQuantizationType.Q4_K: slice(16, 144),
+                 GGMLQuantizationType.Q5_K: slice(16, 176)}
+
+
+def gguf_values(kind, blocks):
+    """gguf-py's de-quantization of the blocks [out, bytes a row], float64 [out, in]."""
+    return torch.from_numpy(quants.dequantize(blocks, kind)).double().reshape(blocks.shape[0], -1)
+
+
 def llama_cpp_product(x, blocks, kind):
     """What the kernel computes, in float64: x rounded per block of 32 to d_x·q_x (d_x =
-    max|x| / 127, q_x = round(x / d_x)) times the file's de-quantized weight, and for Q4_1
-    (w = d·q + m) the minimum times the exact sum of x instead of the rounded one."""
-    parts = quantized.halves(kind, blocks)
-    weight = quantized.dequantized(parts).double()
+    max|x| / 127, q_x = round(x / d_x)) times gguf's de-quantized weight, and for a kind with a
+    minimum (w = a·q + m) the minimum times the exact x instead of the rounded one."""
+    weight = gguf_values(kind, blocks)
     rows, columns = x.shape
     grouped = x.double().reshape(rows, columns // 32, 32)
     scale = grouped.abs().amax(dim=-1, keepdim=True) / 127
-    rounded = torch.where(scale > 0, torch.round(grouped / scale), 0) * scale
-    product = rounded.reshape(rows, columns) @ weight.t()
-    if kind == GGMLQuantizationType.Q4_1:
-        minimum = (parts[0].zero - 8 * parts[0].scale).double()  # [out, blocks]
-        product += (grouped.sum(-1) - rounded.sum(-1)) @ minimum.t()
+    rounded = (torch.where(scale > 0, torch.round(grouped / scale), 0) * scale).reshape(rows, columns)
+    product = rounded @ weight.t()
+    if kind in MINIMUM_BYTES:
+        shape = blocks.shape
+        zeroed = blocks.reshape(shape[0], -1, GGML_QUANT_SIZES[kind][1]).copy()
+        zeroed[..., MINIMUM_BYTES[kind]] = 0
+        minimum = gguf_values(kind, zeroed.reshape(shape))  # every q 0: w is the minimum
+        product += (x.double() - rounded) @ minimum.t()
     return product
 
 
@@ -48,8 +66,11 @@ def within_int8_rounding(out, x, weight):
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
 def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(kind, rows):
     generator = np.random.default_rng(11)
-    blocks = quants.quantize(generator.normal(size=(80, 256)).astype(np.float32), kind)
-    x = torch.randn(rows, 256)
+    if kind in UNQUANTIZABLE:  # random bytes: every nibble, high bit and scale pattern
+        blocks = random_blocks(kind, 80, 512, generator)
+    else:
+        blocks = quants.quantize(generator.normal(size=(80, 512)).astype(np.float32), kind)
+    x = torch.randn(rows, 512)
     x[0, :32] = 0  # an all-zero block of activations (scale 0)
     out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
@@ -57,7 +78,7 @@ def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(
     # The same arithmetic to float32's rounding of the sums ...
     assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
     # ... and the exact product to the int8 rounding of the activations.
-    assert within_int8_rounding(out, x, quantized.dequantized(quantized.halves(kind, blocks)))
+    assert within_int8_rounding(out, x, gguf_values(kind, blocks))
     # A bfloat16 activation is read as the same value in float32.
     x16 = x.to(torch.bfloat16)
     assert torch.equal(block_kernel.block_mm(x16, torch.from_numpy(blocks), kind),
@@ -114,6 +135,31 @@ def test_the_packaged_ggufs_blocks_run_on_the_block_kernel_and_answer(default_so
         strict=True,
     )
     assert "Paris" in services.run(runtime, parsed).body["choices"][0]["message"]["content"]
+
+
+@needs_kernel
+def test_every_projection_of_the_k_quant_gemma_runs_on_the_block_kernel_q6_k_included(second_gguf):
+    loaded = load_model(model_source(str(second_gguf)), weights="dense")
+    model = loaded.model
+    packing = quantized.pack(model, second_gguf, "blocks", cache=Path(model.name_or_path) / "millm-blocks.safetensors")
+    loaded.weights = packing.label
+    layers = model.config.num_hidden_layers
+    assert packing.packed == packing.candidates == 7 * layers + 1 and not packing.no_kernel
+    assert {kind for kind, _, _ in packing.widths} == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    assert set(packing.forms.values()) == {"blocks"} and "want of a kernel" not in packing.describe()
+    q6_k = [module for module in quantized.packed_modules(model) if module.blocks[0] == GGMLQuantizationType.Q6_K]
+    assert len(q6_k) == 9  # half of the down projections (Q4_K_M's mix)
+    for module in (q6_k[0], model.model.layers[0].self_attn.o_proj, model.lm_head):  # Q6_K, Q4_K, Q8_0
+        x = torch.randn(3, module.in_features)
+        with torch.inference_mode():
+            assert within_int8_rounding(module(x), x, module.weight), module
+    assert ResidentModel(loaded).fingerprint.endswith("/Q4_K_M+packed:transformers")
+
+
+def test_the_build_has_vnni_only_where_the_cpu_has_it():
+    avx2 = frozenset({"avx2", "fma", "f16c"})
+    assert "-DMILLM_VNNI" not in block_kernel.build_flags(avx2 | {"avx512f"})
+    assert "-DMILLM_VNNI" in block_kernel.build_flags(avx2 | {"avx512_vnni", "avx512vl"})
 
 
 def test_blocks_is_a_weights_setting_of_its_own():

@@ -20,7 +20,7 @@ from inference_app.engine.runtime import ResidentModel
 KINDS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
          GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K]
 # gguf-py de-quantizes the K-quants but has no quantizer for them.
-UNQUANTIZABLE = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K}
+UNQUANTIZABLE = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
@@ -33,10 +33,15 @@ def kernel_tolerance(x, weight):
 def random_blocks(kind, rows, columns, generator):
     """K-quant blocks of random bytes: every nibble, fifth bit and 6-bit scale and minimum
     pattern turns up, so a wrong layout cannot agree with gguf's de-quantizer by chance. d and
-    dmin are ordinary fp16 magnitudes (random bytes would give NaNs and infinities)."""
+    dmin are ordinary fp16 magnitudes (random bytes would give NaNs and infinities); Q6_K's d,
+    its last two bytes, too (its 16 int8 scales are any bytes)."""
     block_size, block_bytes = GGML_QUANT_SIZES[kind]
     blocks = generator.integers(0, 256, size=(rows, columns // block_size, block_bytes), dtype=np.uint8)
-    blocks[..., :4] = generator.uniform(1e-3, 1e-2, size=(rows, columns // block_size, 2)).astype(np.float16).view(np.uint8)
+    scales = generator.uniform(1e-3, 1e-2, size=(rows, columns // block_size, 2)).astype(np.float16).view(np.uint8)
+    if kind == GGMLQuantizationType.Q6_K:
+        blocks[..., -2:] = scales[..., :2]
+    else:
+        blocks[..., :4] = scales
     return blocks.reshape(rows, -1)
 
 
@@ -70,15 +75,15 @@ def test_the_int4_halves_are_the_files_own_values_and_the_kernel_multiplies_by_t
         assert torch.equal(packed(x16), packed(x16.float()).to(torch.bfloat16))
 
 
-def test_q6_k_stays_dense_because_the_kernel_takes_no_group_of_16():
-    """Q6_K's scales cover 16 weights each. Should torch's kernel take groups of 16 one day,
-    this fails, and Q6_K can join PACKABLE as two halves of its 6 bits."""
+def test_q6_k_has_no_int4_form_because_the_kernel_takes_no_group_of_16():
+    """Q6_K's scales cover 16 weights each: only the block kernel takes it. Should torch's
+    kernel take groups of 16 one day, this fails, and Q6_K can have halves of its 6 bits."""
     q = torch.randint(0, 16, (16, 256), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="qGroupSize"):
         torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 16, torch.ones(16, 16, 2, dtype=torch.bfloat16))
-    assert GGMLQuantizationType.Q6_K not in quantized.PACKABLE
+    assert GGMLQuantizationType.Q6_K not in quantized.HALVES and GGMLQuantizationType.Q6_K in quantized.PACKABLE
 
 
 def test_a_block_cache_from_before_a_type_was_packable_is_read_again_from_the_file(tmp_path):
@@ -88,6 +93,7 @@ def test_a_block_cache_from_before_a_type_was_packable_is_read_again_from_the_fi
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("blk.0.attn_output.weight", k_blocks, raw_dtype=GGMLQuantizationType.Q4_K)
     writer.add_tensor("blk.0.ffn_down.weight", np.zeros((32, 210), np.uint8), raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((32, 110), np.uint8), raw_dtype=GGMLQuantizationType.Q3_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,14 +103,17 @@ def test_a_block_cache_from_before_a_type_was_packable_is_read_again_from_the_fi
     safetensors.numpy.save_file({"x": np.zeros(1, np.uint8)}, str(cache), metadata={"x": "Q8_0"})
 
     tensors = quantized.file_tensors(path, cache)
-    assert set(tensors) == {"blk.0.attn_output.weight", "blk.0.ffn_down.weight"}
+    assert set(tensors) == {"blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight"}
     kind, blocks = tensors["blk.0.attn_output.weight"]
     assert kind == GGMLQuantizationType.Q4_K and np.array_equal(blocks, k_blocks)
-    assert tensors["blk.0.ffn_down.weight"] == (GGMLQuantizationType.Q6_K, None)  # named, no blocks
+    assert tensors["blk.0.ffn_down.weight"][0] == GGMLQuantizationType.Q6_K  # packable since the block kernel
+    assert np.array_equal(tensors["blk.0.ffn_down.weight"][1], np.zeros((32, 210), np.uint8))
+    assert tensors["blk.0.ffn_up.weight"] == (GGMLQuantizationType.Q3_K, None)  # named, no blocks
     path.unlink()  # the rewritten cache now answers alone
     again = quantized.file_tensors(path, cache)
     assert np.array_equal(again["blk.0.attn_output.weight"][1], k_blocks)
-    assert again["blk.0.ffn_down.weight"] == (GGMLQuantizationType.Q6_K, None)
+    assert np.array_equal(again["blk.0.ffn_down.weight"][1], tensors["blk.0.ffn_down.weight"][1])
+    assert again["blk.0.ffn_up.weight"] == (GGMLQuantizationType.Q3_K, None)
 
 
 def test_auto_packs_except_under_the_float32_reference_or_off_the_cpu():
@@ -257,9 +266,11 @@ def gemma(second_gguf):
     return SimpleNamespace(loaded=loaded, model=loaded.model, tensors=tensors, names=names, packing=packing)
 
 
-def test_the_gemma_files_own_blocks_of_each_packable_type_run_packed(gemma):
+def test_the_gemma_files_own_blocks_of_each_int4_type_run_packed(gemma):
     smallest = {}
     for name, (kind, blocks) in gemma.tensors.items():
+        if kind not in quantized.HALVES:  # Q6_K: the block kernel's (test_block_kernel.py)
+            continue
         if blocks is not None and (kind not in smallest or blocks.size < smallest[kind][1].size):
             smallest[kind] = (name, blocks)
     assert set(smallest) == {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0}
@@ -285,7 +296,7 @@ def test_gguf_names_finds_gemmas_projections_and_its_tied_head(gemma):
     assert names["lm_head"] == "token_embd.weight"  # the biggest matmul of a step: a candidate
 
     kinds = [gemma.tensors[gguf_name][0] for gguf_name in names.values()]
-    packable = sum(kind in quantized.PACKABLE for kind in kinds)
+    packable = sum(kind in quantized.HALVES for kind in kinds)  # `quantized`: the int4 kernel's kinds
     assert packing.packed == packing.candidates == packable == len(names) - kinds.count(GGMLQuantizationType.Q6_K)
     assert packing.no_kernel == {"Q6_K": kinds.count(GGMLQuantizationType.Q6_K)} and packing.no_kernel["Q6_K"] > 0
     assert f"dense for want of a kernel: Q6_K x{packing.no_kernel['Q6_K']}" in packing.describe()

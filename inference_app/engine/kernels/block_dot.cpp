@@ -10,6 +10,18 @@
 //   Q4_1: fp16 d, fp16 m, 16 bytes of nibbles q;  w = d q + m
 //   Q5_0: fp16 d, 4 bytes qh, 16 bytes q;         w = d (q + 16 hi - 16), hi bit j of qh
 //   Q8_0: fp16 d, 32 int8 q;                      w = d q
+// and the K-quants' super-blocks of 256 (8 sub-blocks of 32, each met by one activation block):
+//   Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit sc_j and m_j, 128 bytes of nibbles (bytes
+//         32c..32c+31 hold sub-block 2c in their low nibbles, 2c + 1 in their high ones);
+//         w = d sc_j q - dmin m_j
+//   Q5_K: as Q4_K with 32 bytes qh after the scales, bit j of qh[i] element i's fifth bit in
+//         sub-block j
+//   Q6_K: 128 bytes ql, 64 bytes qh, 16 int8 scales (one per 16 weights), fp16 d;
+//         w = d sc (q - 32), q 6 bits (ggml's dequantize_row_q6_K gives the order)
+//
+// Where the CPU has AVX-512 VNNI (and VL), the integer dot product is one `vpdpbusd` (u8 x s8
+// summed in fours into int32) instead of `maddubs` + `madd`: the same sums, exactly (neither
+// saturates at these magnitudes).
 //
 // Threads: at::parallel_for over output features, torch's own pool (the engine's one model
 // thread sets its size), so no second OpenMP runtime spins beside torch's.
@@ -26,17 +38,27 @@
 namespace {
 
 constexpr int64_t QK = 32;
-enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8 };  // GGMLQuantizationType values
+constexpr int64_t QK_K = 256;
+// GGMLQuantizationType values
+enum Kind : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-int64_t block_bytes(int64_t kind) {
+constexpr bool is_k(int64_t kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
+
+constexpr int64_t bytes_of(int64_t kind) {
   switch (kind) {
     case Q4_0: return 18;
     case Q4_1: return 20;
     case Q5_0: return 22;
     case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
   }
-  TORCH_CHECK(false, "block_dot: no kernel for GGML type ", kind);
+  return 0;
 }
+
+// Inputs a block covers.
+constexpr int64_t weights_of(int64_t kind) { return is_k(kind) ? QK_K : QK; }
 
 inline float fp16(const uint8_t* p) {
   uint16_t h;
@@ -70,10 +92,26 @@ inline __m256i fifth_bits(const uint8_t* p) {
   return _mm256_and_si256(bytes, _mm256_set1_epi8(0x10));
 }
 
-// Sum of u[i] * s[i] (u unsigned 0..255, s signed), as 8 float partial sums.
+// Sums of u[i] * s[i] (u unsigned 0..255, s signed) over each 4 bytes: lane k holds bytes
+// 4k..4k+3, as 8 floats.
 inline __m256 dot_us(__m256i u, __m256i s) {
+#ifdef MILLM_VNNI
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+#else
   __m256i pairs = _mm256_maddubs_epi16(u, s);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
+inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
 }
 
 // Activations quantized per block: q (int8), d, the sum of q (for an offset weight: Q4_0, Q5_0)
@@ -118,10 +156,6 @@ Activations quantize(const float* x, int64_t rows, int64_t in) {
   return a;
 }
 
-constexpr int64_t bytes_of(int64_t kind) {
-  return kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q5_0 ? 22 : 34;
-}
-
 // out[r0 + r, n] for the R activation rows from r0 (R a constant: the accumulators stay in
 // registers) and one output feature, whose blocks start at w.
 template <int64_t KIND, int R>
@@ -157,6 +191,89 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
   for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = hsum(acc[r]) + extra[r];
 }
 
+// The K-quants' tile: each super-block's 8 sub-blocks, each against one activation block.
+template <int64_t KIND, int R>
+inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t out_stride, int64_t n) {
+  __m256 acc[R], mins[R];  // mins: the minimums' products (Q4_K, Q5_K), subtracted at the end
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = _mm256_setzero_ps();
+  }
+  const int8_t* q = a.q.data() + r0 * a.blocks * QK;
+  const float* dx = a.d.data() + r0 * a.blocks;
+  const float* xsum = a.xsum.data() + r0 * a.blocks;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b0 = 0; b0 < a.blocks; b0 += QK_K / QK, w += bytes_of(KIND)) {
+    if constexpr (KIND == Q6_K) {
+      const float d = fp16(w + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(w + 192);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
+        const __m256i two = _mm256_set1_epi8(3);
+        __m256i groups[4] = {
+            _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+            _mm256_or_si256(_mm256_and_si256(ql1, low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
+        };
+        for (int g = 0; g < 4; ++g) {
+          const __m256i qw = _mm256_sub_epi8(groups[g], _mm256_set1_epi8(32));  // -32..31
+          const __m256i magnitude = _mm256_sign_epi8(qw, qw);
+          // Lanes 0-3 (elements 0-15) take the group's first scale, lanes 4-7 its second.
+          const float s0 = d * scales[8 * half + 2 * g], s1 = d * scales[8 * half + 2 * g + 1];
+          const __m256 sc = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
+          const int64_t block = b0 + 4 * half + g;
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = r * a.blocks + block;
+            __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
+            qa = _mm256_sign_epi8(qa, qw);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(dx[i])), dot_us(magnitude, qa), acc[r]);
+          }
+        }
+      }
+    } else {
+      const float d = fp16(w), dmin = fp16(w + 2);
+      float scales[8], minimums[8];
+      for (int j = 0; j < 8; ++j) {
+        scale_min(w + 4, j, scales[j], minimums[j]);
+        scales[j] *= d;
+        minimums[j] *= dmin;
+      }
+      // The minimums times each sub-block's exact sum of x: one vector of 8 per row.
+      const __m256 minimum = _mm256_loadu_ps(minimums);
+      for (int r = 0; r < R; ++r) {
+        mins[r] = _mm256_fmadd_ps(minimum, _mm256_loadu_ps(xsum + r * a.blocks + b0), mins[r]);
+      }
+      const uint8_t* nibble_bytes = w + (KIND == Q4_K ? 16 : 48);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (KIND == Q5_K) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibble_bytes + 32 * c));
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+          __m256i qw = h == 0 ? _mm256_and_si256(bytes, low) : _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+          if constexpr (KIND == Q5_K) {
+            const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+            qw = _mm256_or_si256(qw, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+          }
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = r * a.blocks + b0 + j;
+            const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * dx[i]), dot_us(qw, qa), acc[r]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = hsum(acc[r]) - hsum(mins[r]);
+}
+
 // out[r, n] for output features [begin, end) and every activation row r: four rows at a time
 // (each weight block read once for them), then one at a time.
 template <int64_t KIND>
@@ -165,8 +282,13 @@ void features(const uint8_t* weight, int64_t row_bytes, const Activations& a, fl
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* w = weight + n * row_bytes;
     int64_t r0 = 0;
-    for (; r0 + 4 <= a.rows; r0 += 4) tile<KIND, 4>(w, a, r0, out, out_stride, n);
-    for (; r0 < a.rows; ++r0) tile<KIND, 1>(w, a, r0, out, out_stride, n);
+    if constexpr (is_k(KIND)) {
+      for (; r0 + 4 <= a.rows; r0 += 4) tile_k<KIND, 4>(w, a, r0, out, out_stride, n);
+      for (; r0 < a.rows; ++r0) tile_k<KIND, 1>(w, a, r0, out, out_stride, n);
+    } else {
+      for (; r0 + 4 <= a.rows; r0 += 4) tile<KIND, 4>(w, a, r0, out, out_stride, n);
+      for (; r0 < a.rows; ++r0) tile<KIND, 1>(w, a, r0, out, out_stride, n);
+    }
   }
 }
 
@@ -176,8 +298,9 @@ void features(const uint8_t* weight, int64_t row_bytes, const Activations& a, fl
 torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "block_mm: shapes");
   const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
-  TORCH_CHECK(in % QK == 0 && weight.size(1) == in / QK * block_bytes(kind), "block_mm: ", in, " inputs and ",
-              weight.size(1), " bytes a row do not match GGML type ", kind);
+  TORCH_CHECK(bytes_of(kind) > 0, "block_dot: no kernel for GGML type ", kind);
+  TORCH_CHECK(in % weights_of(kind) == 0 && weight.size(1) == in / weights_of(kind) * bytes_of(kind), "block_mm: ",
+              in, " inputs and ", weight.size(1), " bytes a row do not match GGML type ", kind);
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const torch::Tensor w = weight.contiguous();
   const Activations a = quantize(xf.data_ptr<float>(), rows, in);
@@ -192,6 +315,9 @@ torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& weight, int6
       case Q4_1: features<Q4_1>(wp, row_bytes, a, o, out, begin, end); break;
       case Q5_0: features<Q5_0>(wp, row_bytes, a, o, out, begin, end); break;
       case Q8_0: features<Q8_0>(wp, row_bytes, a, o, out, begin, end); break;
+      case Q4_K: features<Q4_K>(wp, row_bytes, a, o, out, begin, end); break;
+      case Q5_K: features<Q5_K>(wp, row_bytes, a, o, out, begin, end); break;
+      case Q6_K: features<Q6_K>(wp, row_bytes, a, o, out, begin, end); break;
     }
   });
   return result;
