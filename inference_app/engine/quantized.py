@@ -17,7 +17,8 @@ then reads the file's own blocks again and packs each projection of a PACKABLE t
 
 Q6_K has no int4 form: its sub-blocks have 16 weights, and the kernel takes groups of 32, 64,
 128 or 256 only. It runs packed on the block kernel (block_kernel.py, which takes every kind
-above too), and dense where that kernel does not run here or the mode is `quantized`. The start-up line names the types that stay dense for want of a kernel.
+above too), and dense where that kernel does not run here or the mode is `quantized`. The
+start-up line names the types that stay dense for want of a kernel.
 
 So the packed product uses the file's de-quantized values, to the bfloat16 rounding of the
 scales and of the kernel's activations (a two-half kind calls the kernel twice). Before a projection is packed, its blocks (in the row
@@ -424,18 +425,22 @@ def pack(model, path, mode, cache=None):
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
-    candidates, widths, forms, no_kernel = [], {}, {}, {}
-
-    def has_kernel(kind):
-        return kind in HALVES or (mode in ("auto", "blocks") and kind in block_kernel.KINDS
-                                  and block_kernel.extension() is not None)
-
+    widths, forms, no_kernel = {}, {}, {}
+    candidates = packed = 0
+    flush = None
+    blocks_wanted = False
+    # One projection at a time: its halves and blocks are made, checked, packed, and the form not
+    # chosen dropped before the next is read (Gemma's head alone is 190 MB of int4 halves).
     for name, gguf_name in names.items():
         linear = modules.get(name)
         if not isinstance(linear, torch.nn.Linear):
             continue
         kind, blocks = tensors[gguf_name]
-        if blocks is None or not has_kernel(kind):
+        kind = GGMLQuantizationType(kind)
+        block_kind = mode in ("auto", "blocks") and kind in block_kernel.KINDS
+        blocks_wanted |= block_kind
+        with_blocks = block_kind and blocks is not None and block_kernel.extension() is not None
+        if blocks is None or not (kind in HALVES or with_blocks):
             no_kernel[kind.name] = no_kernel.get(kind.name, 0) + 1
             continue
         blocks = np.asarray(blocks)
@@ -445,40 +450,30 @@ def pack(model, path, mode, cache=None):
         if order is None:
             log.warning("%s: the file's %s blocks do not reproduce the loaded weight; it runs dense", name, gguf_name)
             continue
-        # A copy: a file's blocks are a read-only map, which torch refuses to share (a warning).
-        rows = torch.from_numpy(np.array(blocks, copy=True).reshape(linear.out_features, -1))
-        parts, rows = in_order(parts, rows, order)
-        candidates.append((name, GGMLQuantizationType(kind), linear, parts, rows))
-    wants_blocks = mode in ("auto", "blocks") and any(kind in block_kernel.KINDS for _, kind, *_ in candidates)
-    has_blocks = wants_blocks and block_kernel.extension() is not None
-    packed = 0
-    flush = _CacheFlush() if mode == "auto" and candidates else None
-    count = len(candidates)
-    for index in range(count):
-        # Taken out of the list: a packed projection keeps one form, and the other (a Q8_0
-        # head's halves are 1 byte a weight) goes now, not when the whole model is packed.
-        name, kind, linear, parts, rows = candidates[index]
-        candidates[index] = None
+        candidates += 1
         shape = (kind.name, linear.out_features, linear.in_features)
         if widths.get(shape) == 0:
             continue
+        # A copy: a file's blocks are a read-only map, which torch refuses to share (a warning).
+        rows = torch.from_numpy(np.array(blocks, copy=True).reshape(linear.out_features, -1))
+        parts, rows = in_order(parts, rows, order)
         module = None
         if shape not in widths:
-            forms[shape], widths[shape], module = _choose(mode, linear, parts, (kind, rows), flush,
-                                                          has_blocks and kind in block_kernel.KINDS)
+            if mode == "auto" and flush is None:
+                flush = _CacheFlush()
+            forms[shape], widths[shape], module = _choose(mode, linear, parts, (kind, rows), flush, with_blocks)
             if widths[shape] == 0:
                 forms.pop(shape)
                 continue
-        if module is None and forms[shape] == "blocks":
-            module = PackedLinear(linear, None, widths[shape], blocks=(kind, rows))
-        elif module is None:
-            module = PackedLinear(linear, parts, widths[shape])
+        if module is None:
+            module = (PackedLinear(linear, None, widths[shape], blocks=(kind, rows)) if forms[shape] == "blocks"
+                      else PackedLinear(linear, parts, widths[shape]))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         packed += 1
     packing = Packing(
-        packed=packed, candidates=count, widths=widths, no_kernel=no_kernel, forms=forms,
-        blocks_unavailable=block_kernel.why_unavailable() if wants_blocks and not has_blocks else None,
+        packed=packed, candidates=candidates, widths=widths, no_kernel=no_kernel, forms=forms,
+        blocks_unavailable=block_kernel.why_unavailable() if blocks_wanted else None,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )
