@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 
 from bench.common import RESULTS, ROOT, machine
 
@@ -139,10 +140,16 @@ def main(argv=None):
             arguments = sizes(part, args.quick, tiny)
             if part == "peers" and args.model:
                 arguments += ["--model", args.model] + (["--chat-template", args.chat_template] if args.chat_template else [])
-            if part in FRESH_PROCESS and not args.quick:
-                results[part] = in_fresh_process(part, arguments)
-            else:
-                results[part] = module.main(arguments, **kwargs)
+            try:
+                if part in FRESH_PROCESS and not args.quick:
+                    results[part] = in_fresh_process(part, arguments)
+                else:
+                    results[part] = module.main(arguments, **kwargs)
+            except Exception as error:
+                if args.quick:
+                    raise  # the smoke test: a part that fails, fails it
+                traceback.print_exc()
+                results[part] = failed(error)
             results[part]["seconds"] = round(time.monotonic() - part_started, 1)
             results[part]["mode"] = part_mode(part, tiny if args.quick or part in TINY_PARTS else args.model if part == "peers" else None)
             if part in model_of and model_of[part] not in [model_of.get(later) for later in ordered[index + 1:]]:
@@ -171,6 +178,14 @@ def part_mode(part, model):
     from bench.common import mode_of
 
     return mode_of(model, *(("auto", "auto") if part in AUTO_PARTS else ()))
+
+
+def failed(error):
+    """A part that raised, as its row of the table: the rest of a full run goes on (a peer's
+    server that drops a connection half an hour in cost a whole run's table once)."""
+    reason = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
+    return {"checks": [{"figure": "the part", "value": f"failed ({reason})", "goal": "runs to its end", "met": False}],
+            "report": [("failed", reason)]}
 
 
 def in_fresh_process(part, arguments):

@@ -103,14 +103,26 @@ def transformers_cb(resident, prompts, max_tokens):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    from inference_app.engine import attention
+
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=sorted(resident.eos_ids),
                               pad_token_id=resident.tokenizer.pad_token_id or 0)
     # The paged cache sized to the work, as a user sets it: left to itself the manager reserves
     # 90% of free memory (11 GB here), which took 12 of the 13 seconds of 3 prompts of 4 tokens.
     cache = ContinuousBatchingConfig(page_size=PAGE, num_blocks=sum(-(-(len(prompt) + max_tokens) // PAGE) for prompt in prompts) + 1,
                                      max_batch_tokens=max(PAGE, sum(len(prompt) for prompt in prompts)))
-    outputs = resident.model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cache,
-                                            progress_bar=False, warmup=False)
+    # The manager takes only its own attention kinds: the engine's `millm_sdpa` (bfloat16 on a
+    # CPU, attention.py) is SDPA with float32 scores, so the manager runs torch's SDPA meanwhile.
+    model = resident.model
+    own = model.config._attn_implementation
+    if own == attention.NAME:
+        model.set_attn_implementation("sdpa")
+    try:
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cache,
+                                       progress_bar=False, warmup=False)
+    finally:
+        if own == attention.NAME:
+            model.set_attn_implementation(own)
     by_prompt = sorted(outputs.values(), key=lambda output: int(str(output.request_id).rsplit("_", 1)[-1]))
     return [_until_eos(resident, list(output.generated_tokens)) for output in by_prompt]
 

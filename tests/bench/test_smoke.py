@@ -3,6 +3,8 @@ processes, and reports its figures and goals (not a timing test: no figure is as
 The parts that start servers of their own run with `-m slow`."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,11 +115,24 @@ def test_the_bench_measures_the_dtype_the_environment_sets_not_the_suites():
     """bench.common's tiny model comes from tests/model_files.py: importing conftest.py (as it
     once did) pinned float32 on every part of `make bench`."""
     import os
-    import subprocess
-    import sys
 
     env = {key: value for key, value in os.environ.items() if key != "MILLM_DTYPE"}
     script = ("from bench.common import setup_django, tiny_model; setup_django(); tiny_model(); "
               "from django.conf import settings; import os; print(settings.MILLM_DTYPE, os.environ.get('MILLM_DTYPE'))")
     shown = subprocess.run([sys.executable, "-c", script], env=env, cwd=suite.ROOT, capture_output=True, text=True, check=True)
     assert shown.stdout.split() == ["auto", "None"]
+
+
+def test_a_part_that_fails_in_a_full_run_is_a_missed_row_and_the_run_goes_on(monkeypatch, test_model_dir):
+    """A full run (not --quick) records a part that raised as a missed row and runs the rest:
+    llama.cpp's server once dropped a connection in `prefix` and the run's whole table was lost."""
+    def dropped(part, arguments):
+        raise subprocess.CalledProcessError(1, [sys.executable, "-m", f"bench.{part}"])
+
+    monkeypatch.setattr(suite, "in_fresh_process", dropped)
+    summary = suite.main(["decoders", "grammar", "--no-readme"])
+    assert list(summary["parts"]) == ["decoders", "grammar"]  # the second ran after the first failed
+    for part in ("decoders", "grammar"):
+        [check] = summary["parts"][part]["checks"]
+        assert check["met"] is False and check["value"].startswith("failed (CalledProcessError: "), part
+    assert "| decoders | " in suite.render(summary) and "**missed**" in suite.render(summary)
