@@ -210,7 +210,12 @@ def llama_server(gguf, slots, context, threads, timeout=120, embedding=False, ch
             if process.poll() is not None or time.monotonic() > deadline:
                 raise failed("did not answer /health")
             time.sleep(0.1)
-        yield url
+        try:
+            yield url
+        except Exception as error:  # a dropped request: say whether the server died, and its last words
+            if process.poll() is not None:
+                raise failed(f"exited (status {process.returncode}) while serving") from error
+            raise
     finally:
         process.stdin.close()  # its stdin.read() returns, and the process ends
         try:
