@@ -65,23 +65,24 @@ def _build():
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     started = time.monotonic()
     try:
-        name, source = _build_source()
-        module = load(name=name, sources=[str(source)], extra_cflags=build_flags(), extra_ldflags=["-fopenmp"],
+        flags = build_flags()
+        name, source = _build_source(flags)
+        module = load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                       build_directory=str(source.parent), verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
         raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
     log.info("block kernel%s ready in %.1f s (built once per machine and source)",
-             " (VNNI)" if "-DMILLM_VNNI" in build_flags() else "", time.monotonic() - started)
+             " (VNNI)" if "-DMILLM_VNNI" in flags else "", time.monotonic() - started)
     return module
 
 
-def _build_source():
+def _build_source(flags):
     """(module name, the source's copy in its own build folder): both named by a digest of
     what the build depends on, so another checkout of the same source finds the build made."""
     from torch.utils.cpp_extension import get_default_build_root
 
     code = SOURCE.read_bytes()
-    key = "\0".join([*build_flags(), torch.__version__, sys.version]).encode()
+    key = "\0".join([*flags, torch.__version__, sys.version]).encode()
     name = f"millm_block_dot_{hashlib.sha256(code + key).hexdigest()[:16]}"
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -260,7 +260,7 @@ class Packing:
     """What `pack` did: the fingerprint's and the start-up line's words."""
 
     packed: int  # projections that run packed at some width
-    candidates: int  # projections whose file tensors are packable
+    candidates: int  # projections whose file tensors have a kernel here (blocks read, the row order found)
     packed_bytes: int
     dense_bytes: int
     widths: dict  # (kind, out, in) -> largest width run packed (0: dense)

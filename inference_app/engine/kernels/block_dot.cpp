@@ -211,15 +211,15 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
         const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half));
         const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * half + 32));
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
-        const __m256i two = _mm256_set1_epi8(3);
+        const __m256i two_bits = _mm256_set1_epi8(3);
         __m256i groups[4] = {
-            _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)),
+            _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_slli_epi16(_mm256_and_si256(qh, two_bits), 4)),
             _mm256_or_si256(_mm256_and_si256(ql1, low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two), 4)),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), two_bits), 4)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two), 4)),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), two_bits), 4)),
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
-                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two), 4)),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), two_bits), 4)),
         };
         for (int g = 0; g < 4; ++g) {
           const __m256i qw = _mm256_sub_epi8(groups[g], _mm256_set1_epi8(32));  // -32..31
