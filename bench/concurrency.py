@@ -215,7 +215,7 @@ def llama_server(gguf, slots, context, threads, timeout=120, embedding=False, ch
         except Exception as error:  # a dropped request: say whether the server died, and its last words
             if process.poll() is not None:
                 raise failed(f"exited (status {process.returncode}) while serving") from error
-            raise
+            raise failed(f"was serving when a request failed ({type(error).__name__}: {error})") from error
     finally:
         process.stdin.close()  # its stdin.read() returns, and the process ends
         try:

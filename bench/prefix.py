@@ -246,9 +246,13 @@ def chat(model_id, system, history, question, max_tokens):
 
 
 def first_token_seconds(client, body):
-    """(seconds to the first content of a streamed chat, the whole answer's text)."""
+    """(seconds to the first content of a streamed chat, the whole answer's text). On a
+    connection of its own: llama.cpp's server closes a kept-alive connection after a streamed
+    answer without saying so (no `Connection: close`), and the next request sent on it got
+    "Server disconnected without sending a response" (xllamacpp 2026.10)."""
     started, first, parts = time.perf_counter(), None, []
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as answer:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
+                       headers={"Connection": "close"}) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
