@@ -1,6 +1,7 @@
 """A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
 (kernels/block_dot.cpp): the activations rounded to int8 per block of 32, the weight's integers
-met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it). It reads the
+met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it, two blocks at
+a time where it has AVX-512's byte forms too). It reads the
 file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two
 halves; Q6_K, which no int4 kernel takes, 0.82) at any number of rows.
 
@@ -40,14 +41,23 @@ REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 VNNI_CPU = frozenset({"avx512_vnni", "avx512vl"})
 VNNI_FLAGS = ["-mavx512vnni", "-mavx512vl", "-DMILLM_VNNI"]
+# The 512-bit pass (two blocks a `vpdpbusd`) also needs AVX-512's byte (BW) and dword (DQ) forms.
+AVX512_CPU = VNNI_CPU | {"avx512f", "avx512bw", "avx512dq"}
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-DMILLM_AVX512"]
 
 
 def build_flags(flags=None):
     """The compiler's flags for this CPU (`flags`: its /proc/cpuinfo flags): VNNI's integer dot
-    product where it has it. The build's folder is named by them, so a machine without VNNI
-    never loads a build that has it."""
+    product where it has it, and the 512-bit pass where it has the rest of AVX-512 too. The
+    build's folder is named by them, so a machine without them never loads a build that has them."""
     flags = cpu.cpu_flags() if flags is None else flags
-    return BASE_FLAGS + (VNNI_FLAGS if VNNI_CPU <= flags else [])
+    return (BASE_FLAGS + (VNNI_FLAGS if VNNI_CPU <= flags else [])
+            + (AVX512_FLAGS if AVX512_CPU <= flags else []))
+
+
+def build_name(flags):
+    """How the start-up line names the build: `(AVX-512 VNNI)`, `(VNNI)` or nothing (AVX2)."""
+    return " (AVX-512 VNNI)" if "-DMILLM_AVX512" in flags else " (VNNI)" if "-DMILLM_VNNI" in flags else ""
 
 
 class Unavailable(Exception):
@@ -71,8 +81,8 @@ def _build():
                       build_directory=str(source.parent), verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
         raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-    log.info("block kernel%s ready in %.1f s (built once per machine and source)",
-             " (VNNI)" if "-DMILLM_VNNI" in flags else "", time.monotonic() - started)
+    log.info("block kernel%s ready in %.1f s (built once per machine and source)", build_name(flags),
+             time.monotonic() - started)
     return module
 
 

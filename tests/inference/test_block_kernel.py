@@ -62,15 +62,17 @@ def within_int8_rounding(out, x, weight):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 17])  # 17: past the 16 rows the kernel holds at once
+@pytest.mark.parametrize("rows", [1, 5, 17])  # 17: four tiles of four rows and one row alone
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
 def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(kind, rows):
     generator = np.random.default_rng(11)
+    # An odd count of 32-weight blocks for the kinds that have them (the K-quants: 256 a block).
+    columns = 512 if kind in UNQUANTIZABLE else 544
     if kind in UNQUANTIZABLE:  # random bytes: every nibble, high bit and scale pattern
-        blocks = random_blocks(kind, 80, 512, generator)
+        blocks = random_blocks(kind, 80, columns, generator)
     else:
-        blocks = quants.quantize(generator.normal(size=(80, 512)).astype(np.float32), kind)
-    x = torch.randn(rows, 512)
+        blocks = quants.quantize(generator.normal(size=(80, columns)).astype(np.float32), kind)
+    x = torch.randn(rows, columns)
     x[0, :32] = 0  # an all-zero block of activations (scale 0)
     out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
@@ -156,10 +158,15 @@ def test_every_projection_of_the_k_quant_gemma_runs_on_the_block_kernel_q6_k_inc
     assert ResidentModel(loaded).fingerprint.endswith("/Q4_K_M+packed:transformers")
 
 
-def test_the_build_has_vnni_only_where_the_cpu_has_it():
+def test_the_build_has_vnni_and_the_512_bit_pass_only_where_the_cpu_has_them():
     avx2 = frozenset({"avx2", "fma", "f16c"})
     assert "-DMILLM_VNNI" not in block_kernel.build_flags(avx2 | {"avx512f"})
-    assert "-DMILLM_VNNI" in block_kernel.build_flags(avx2 | {"avx512_vnni", "avx512vl"})
+    vnni = block_kernel.build_flags(avx2 | {"avx512_vnni", "avx512vl"})
+    assert "-DMILLM_VNNI" in vnni and "-DMILLM_AVX512" not in vnni
+    assert block_kernel.build_name(vnni) == " (VNNI)"
+    wide = block_kernel.build_flags(avx2 | {"avx512_vnni", "avx512vl", "avx512f", "avx512bw", "avx512dq"})
+    assert "-DMILLM_AVX512" in wide and "-mavx512bw" in wide and block_kernel.build_name(wide) == " (AVX-512 VNNI)"
+    assert block_kernel.build_name(block_kernel.build_flags(avx2)) == ""
 
 
 def test_blocks_is_a_weights_setting_of_its_own():
