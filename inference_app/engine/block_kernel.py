@@ -1,7 +1,7 @@
 """A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
 (kernels/block_dot.cpp): the activations rounded to int8 per block of 32, the weight's integers
-met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it, two blocks at
-a time where it has AVX-512's byte forms too). It reads the
+met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it; the K-quants'
+sub-blocks two at a time where it has AVX-512's byte forms too). It reads the
 file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two
 halves; Q6_K, which no int4 kernel takes, 0.82) at any number of rows.
 
@@ -41,7 +41,7 @@ REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 VNNI_CPU = frozenset({"avx512_vnni", "avx512vl"})
 VNNI_FLAGS = ["-mavx512vnni", "-mavx512vl", "-DMILLM_VNNI"]
-# The 512-bit pass (two blocks a `vpdpbusd`) also needs AVX-512's byte (BW) and dword (DQ) forms.
+# The K-quants' 512-bit pass (two sub-blocks a `vpdpbusd`) also needs AVX-512's byte (BW) and dword (DQ) forms.
 AVX512_CPU = VNNI_CPU | {"avx512f", "avx512bw", "avx512dq"}
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-DMILLM_AVX512"]
 

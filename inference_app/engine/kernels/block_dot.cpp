@@ -23,7 +23,7 @@
 // summed in fours into int32) instead of `maddubs` + `madd`: the same sums, exactly (neither
 // saturates at these magnitudes). Where it has AVX-512 (F, BW, DQ, VL) with VNNI, the K-quants
 // meet two sub-blocks of a super-block in one 512-bit `vpdpbusd`, each half of the vector scaled
-// by its own sub-block's scales (MILLM_AVX512): 1.2-1.4x on an AMD EPYC (Zen 4) at 4-16 rows.
+// by its own sub-block's scales (MILLM_AVX512): 1.2-1.3x a call at 4-16 rows on an AMD EPYC.
 // The 32-weight kinds keep the 256-bit step there: their pairs' scalar offsets and minimums
 // made them 0.8-0.95x (bench/FINDINGS.md).
 //
