@@ -38,6 +38,16 @@ class PlainReader(gguf.GGUFReader):
         return values.view(values.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
 
+_GGUFS_OWN_READER = gguf.GGUFReader
+
+
+def reader(path):
+    """The file's reader: inside read_once() the one it shares, else a new PlainReader."""
+    if gguf.GGUFReader is _GGUFS_OWN_READER:
+        return PlainReader(str(path))
+    return gguf.GGUFReader(str(path))
+
+
 @contextlib.contextmanager
 def read_once():
     readers = {}

@@ -301,7 +301,7 @@ def file_tensors(path, cache=None):
     tensors = _cached_tensors(cache) if cache is not None else None
     if tensors is not None:
         return tensors
-    reader = gguf.GGUFReader(str(path))  # looked up here: gguf_reading.read_once() may share one
+    reader = gguf_reading.reader(path)  # gguf_reading.read_once() may share one
     tensors = {t.name: (GGMLQuantizationType(t.tensor_type), np.asarray(t.data) if t.tensor_type in PACKABLE else None)
                for t in reader.tensors}
     if cache is not None:

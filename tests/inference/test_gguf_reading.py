@@ -51,5 +51,7 @@ def test_the_plain_reader_reads_every_field_and_tensor_as_gguf_does_from_plain_a
     for mine, tensor in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.name, mine.tensor_type, mine.data.dtype) == (tensor.name, tensor.tensor_type, tensor.data.dtype)
         assert np.array_equal(mine.data, tensor.data)
+    assert isinstance(gguf_reading.reader(path), gguf_reading.PlainReader)  # outside read_once too
     with gguf_reading.read_once():
         assert isinstance(gguf.GGUFReader(str(path)), gguf_reading.PlainReader)
+        assert gguf_reading.reader(path) is gguf.GGUFReader(path)
