@@ -14,10 +14,23 @@ def cpu_flags():
         return frozenset()
 
 
-def flags_of(cpuinfo):
-    """The first processor's `flags` line of a /proc/cpuinfo text, as a set (empty if none)."""
+@functools.cache
+def cpu_model():
+    """The first processor's `model name` (empty where there is none)."""
+    try:
+        return _field(Path("/proc/cpuinfo").read_text(), "model name")
+    except OSError:
+        return ""
+
+
+def _field(cpuinfo, wanted):
     for line in cpuinfo.splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        if name.strip() == wanted:
+            return value.strip()
+    return ""
+
+
+def flags_of(cpuinfo):
+    """The first processor's `flags` line of a /proc/cpuinfo text, as a set (empty if none)."""
+    return frozenset(_field(cpuinfo, "flags").split())

@@ -47,7 +47,7 @@ import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
-from inference_app.engine import block_kernel, gguf_reading
+from inference_app.engine import block_kernel, gguf_reading, timed_widths
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,7 @@ class Packing:
     no_kernel: dict = None  # type name -> projections of that type, which run dense
     forms: dict = None  # (kind, out, in) -> the kernel that runs it packed: "blocks" or "int4"
     blocks_unavailable: str = None  # why the block kernel does not run here, where it was wanted
+    timed_before: int = 0  # shapes whose width `auto` read from an earlier load's timing (timed_widths.py)
 
     @property
     def label(self):
@@ -278,6 +279,9 @@ class Packing:
                            for (kind, rows, cols), width in sorted(self.widths.items()))
         words = (f"{self.packed} of {self.candidates} packable projections packed ({shapes}); "
                  f"{self.packed_bytes / 2**20:.1f} MiB packed beside {self.dense_bytes / 2**20:.1f} MiB dense")
+        if self.timed_before:
+            words += (f"; {self.timed_before} shapes' widths as timed by an earlier load on this machine"
+                      f" ({timed_widths.FILE} in the model's cache; delete it to time again)")
         if self.blocks_unavailable:
             words += f"; no block kernel: {self.blocks_unavailable}"
         if self.no_kernel:
@@ -421,7 +425,9 @@ def pack(model, path, mode, cache=None):
     `mode`: "quantized" runs every one packed at every width; "auto" times each shape at
     MEASURED_WIDTHS and runs it packed up to the largest width where the kernel took at most
     CLEAR_WIN of the dense time at that width and every smaller one (dense everywhere when it
-    did not at one row). A shape that stays dense has its packs built once, to time them."""
+    did not at one row). A shape that stays dense has its packs built once, to time them. Where
+    an earlier load on this machine timed a shape (timed_widths.py, beside `cache`), its choice
+    is read, not timed again."""
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
@@ -429,6 +435,10 @@ def pack(model, path, mode, cache=None):
     candidates = packed = 0
     flush = None
     blocks_wanted = False
+    timed = None
+    if mode == "auto":  # the widths an earlier load timed on this machine, where the cache is
+        key = timed_widths.machine_key(next(model.parameters()).dtype, [CLEAR_WIN, MEASURED_WIDTHS])
+        timed = timed_widths.TimedWidths(cache.with_name(timed_widths.FILE) if cache is not None else None, key)
     # One projection at a time: its halves and blocks are made, checked, packed, and the form not
     # chosen dropped before the next is read (Gemma's Q8_0 head alone is about 420 MB of int4 halves
     # and their scales while it is packed).
@@ -460,9 +470,15 @@ def pack(model, path, mode, cache=None):
         parts, rows = in_order(parts, rows, order)
         module = None
         if shape not in widths:
-            if mode == "auto" and flush is None:
-                flush = _CacheFlush()
-            forms[shape], widths[shape], module = _choose(mode, linear, parts, (kind, rows), flush, with_blocks)
+            recorded = timed.get(shape) if timed is not None else None
+            if recorded is not None and (recorded[0] == "blocks" and with_blocks or recorded[0] == "int4" and parts):
+                forms[shape], widths[shape] = recorded
+            else:
+                if mode == "auto" and flush is None:
+                    flush = _CacheFlush()
+                forms[shape], widths[shape], module = _choose(mode, linear, parts, (kind, rows), flush, with_blocks)
+                if timed is not None:
+                    timed.record(shape, forms[shape], widths[shape])
             if widths[shape] == 0:
                 forms.pop(shape)
                 continue
@@ -475,9 +491,12 @@ def pack(model, path, mode, cache=None):
     packing = Packing(
         packed=packed, candidates=candidates, widths=widths, no_kernel=no_kernel, forms=forms,
         blocks_unavailable=block_kernel.why_unavailable() if blocks_wanted else None,
+        timed_before=len(timed.reused) if timed is not None else 0,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )
+    if timed is not None:
+        timed.save()
     log.info("weights: %s", packing.describe())
     return packing
 

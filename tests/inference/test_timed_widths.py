@@ -1,0 +1,63 @@
+"""`auto` keeps what it timed for the next load on the same machine (inference_app/engine/timed_widths.py)."""
+
+import json
+
+import pytest
+import torch
+
+from inference_app.catalogue import model_source
+from inference_app.engine import cpu, quantized, timed_widths
+from inference_app.engine.loader import load_model
+from tests.inference.test_quantized import with_file_values
+
+
+def packed_in_auto(test_model_dir, cache):
+    model = with_file_values(load_model(model_source(str(test_model_dir)), weights="dense").model, cache)
+    return model, quantized.pack(model, None, "auto", cache=cache)
+
+
+def choices(model):
+    return {name: (module.form, module.max_rows) for name, module in model.named_modules()
+            if isinstance(module, quantized.PackedLinear)}
+
+
+def test_a_second_load_reads_the_first_loads_timing_and_times_nothing(test_model_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "millm-blocks.safetensors"
+    first_model, first = packed_in_auto(test_model_dir, cache)
+    assert first.timed_before == 0 and "timed by an earlier load" not in first.describe()
+    written = json.loads((tmp_path / timed_widths.FILE).read_text())
+    shapes = {f"{kind} {out_features}x{in_features}": width for (kind, out_features, in_features), width in first.widths.items()}
+    assert len(shapes) == 5 and [{name: width for name, (_, width) in entry.items()} for entry in written.values()] == [shapes]
+
+    def timed_again(*args, **kwargs):
+        raise AssertionError("a shape was timed again")
+
+    monkeypatch.setattr(quantized, "_packed_width", timed_again)
+    second_model, second = packed_in_auto(test_model_dir, cache)
+    assert second.timed_before == 5 and "5 shapes' widths as timed by an earlier load" in second.describe()
+    assert (second.widths, second.forms, second.packed) == (first.widths, first.forms, first.packed)
+    assert choices(second_model) == choices(first_model)
+
+
+@pytest.mark.parametrize("change", ["threads", "cpu"])
+def test_another_thread_count_or_cpu_times_again_beside_the_first_entry(change, test_model_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "millm-blocks.safetensors"
+    packed_in_auto(test_model_dir, cache)
+    threads = torch.get_num_threads()
+    if change == "threads":
+        torch.set_num_threads(threads + 1)
+    else:
+        monkeypatch.setattr(cpu, "cpu_model", lambda: "another CPU")
+    try:
+        _, again = packed_in_auto(test_model_dir, cache)
+    finally:
+        torch.set_num_threads(threads)
+    assert again.timed_before == 0
+    assert len(json.loads((tmp_path / timed_widths.FILE).read_text())) == 2
+
+
+def test_a_damaged_file_is_timed_again_and_rewritten(test_model_dir, tmp_path):
+    cache = tmp_path / "millm-blocks.safetensors"
+    (tmp_path / timed_widths.FILE).write_text("{not json")
+    _, packing = packed_in_auto(test_model_dir, cache)
+    assert packing.timed_before == 0 and len(json.loads((tmp_path / timed_widths.FILE).read_text())) == 1
