@@ -473,6 +473,7 @@ def pack(model, path, mode, cache=None):
             recorded = timed.get(shape) if timed is not None else None
             if recorded is not None and (recorded[0] == "blocks" and with_blocks or recorded[0] == "int4" and parts):
                 forms[shape], widths[shape] = recorded
+                timed.reuse(shape)
             else:
                 if mode == "auto" and flush is None:
                     flush = _CacheFlush()

@@ -45,10 +45,11 @@ class TimedWidths:
 
     def get(self, shape):
         """The recorded (form, width) of a (kind, out, in) shape, or None."""
-        choice = self.recorded.get(_name(shape))
-        if choice is not None:
-            self.reused.add(_name(shape))
-        return choice
+        return self.recorded.get(_name(shape))
+
+    def reuse(self, shape):
+        """The shape's recorded choice is what runs (not timed again)."""
+        self.reused.add(_name(shape))
 
     def record(self, shape, form, width):
         self.recorded[_name(shape)] = (form, width)
