@@ -497,7 +497,7 @@ def pack(model, path, mode, cache=None):
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )
     if timed is not None:
-        timed.save()
+        timed.write()
     log.info("weights: %s", packing.describe())
     return packing
 

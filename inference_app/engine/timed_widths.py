@@ -55,7 +55,7 @@ class TimedWidths:
         self.recorded[_name(shape)] = (form, width)
         self.changed = True
 
-    def save(self):
+    def write(self):
         """Write what was timed (beside other keys' entries), whole or not at all."""
         if self.path is None or not self.changed:
             return
