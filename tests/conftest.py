@@ -2,6 +2,7 @@
 loader. No test mocks the model, the database or the engine."""
 
 import os
+from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
@@ -35,3 +36,26 @@ def resident(test_model_dir):
 @pytest.fixture(scope="session")
 def second_gguf():
     return build_second_gguf()
+
+
+
+# The tests that start processes of their own (end-to-end stacks, the bench's smoke run) are one
+# unit of xdist's work: they run one after another on one worker, in order, as they would alone
+# (kills, heartbeats and timing-sensitive waits see no second stack beside theirs). Every other
+# module is a unit of its own, so its module fixtures are set up once, on one worker; those run on
+# the second worker beside the processes (`-n auto --maxprocesses 2`, pyproject). xdist's own
+# `--dist loadgroup` cannot say this under pytest 9.2 (it rewrites a test id pytest no longer
+# reads), so the scheduler is this one.
+PROCESS_DIRECTORIES = ("tests/e2e/", "tests/bench/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessesApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return "processes" if module.startswith(PROCESS_DIRECTORIES) else module
+
+    return ProcessesApart(config, log)

@@ -345,12 +345,13 @@ def test_with_keys_set_websocket_and_socketio_refuse_a_client_without_one(slow):
 
     import socketio
     import websockets
+    from websockets.exceptions import WebSocketException
 
     web = slow.start_web(MILLM_API_KEYS="sekrit")
     ws_url = web.url.replace("http://", "ws://")
 
     async def scenario():
-        with pytest.raises(websockets.exceptions.WebSocketException):
+        with pytest.raises(WebSocketException):
             async with websockets.connect(ws_url + "/ws/batches/") as refused:
                 await asyncio.wait_for(refused.recv(), 5)
         async with websockets.connect(ws_url + "/ws/batches/?token=sekrit") as allowed:

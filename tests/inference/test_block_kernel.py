@@ -34,14 +34,17 @@ def gguf_values(kind, blocks):
 
 
 def llama_cpp_product(x, blocks, kind):
-    """What the kernel computes, in float64: x rounded per block of 32 to d_x·q_x (d_x =
-    max|x| / 127, q_x = round(x / d_x)) times gguf's de-quantized weight, and for a kind with a
-    minimum (w = a·q + m) the minimum times the exact x instead of the rounded one."""
+    """What the kernel computes: x rounded per block of 32 to d_x·q_x, in float32 as the kernel
+    (and llama.cpp) rounds it (d_x = max|x| / 127, q_x = x · (1 / d_x) rounded half to even;
+    float64 here would round a near-tie the other way), times gguf's de-quantized weight in
+    float64, and for a kind with a minimum (w = a·q + m) the minimum times the exact x instead
+    of the rounded one."""
     weight = gguf_values(kind, blocks)
     rows, columns = x.shape
-    grouped = x.double().reshape(rows, columns // 32, 32)
+    grouped = x.float().reshape(rows, columns // 32, 32)
     scale = grouped.abs().amax(dim=-1, keepdim=True) / 127
-    rounded = (torch.where(scale > 0, torch.round(grouped / scale), 0) * scale).reshape(rows, columns)
+    inverse = torch.where(scale > 0, 1 / scale, 0)
+    rounded = (torch.round(grouped * inverse).double() * scale.double()).reshape(rows, columns)
     product = rounded @ weight.t()
     if kind in MINIMUM_BYTES:
         shape = blocks.shape
@@ -72,7 +75,7 @@ def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(
         blocks = random_blocks(kind, 80, columns, generator)
     else:
         blocks = quants.quantize(generator.normal(size=(80, columns)).astype(np.float32), kind)
-    x = torch.randn(rows, columns)
+    x = torch.from_numpy(generator.standard_normal((rows, columns), dtype=np.float32))
     x[0, :32] = 0  # an all-zero block of activations (scale 0)
     out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
