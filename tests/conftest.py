@@ -2,7 +2,6 @@
 loader. No test mocks the model, the database or the engine."""
 
 import os
-from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
@@ -36,7 +35,6 @@ def resident(test_model_dir):
 @pytest.fixture(scope="session")
 def second_gguf():
     return build_second_gguf()
-
 
 
 # The tests that start processes of their own (end-to-end stacks, the bench's smoke run) are one
