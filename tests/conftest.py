@@ -38,12 +38,14 @@ def second_gguf():
 
 
 # The tests that start processes of their own (end-to-end stacks, the bench's smoke run) are one
-# unit of xdist's work: they run one after another on one worker, in order, as they would alone
-# (kills, heartbeats and timing-sensitive waits see no second stack beside theirs). Every other
-# module is a unit of its own, so its module fixtures are set up once, on one worker; those run on
-# the second worker beside the processes (`-n auto --maxprocesses 2`, pyproject). xdist's own
-# `--dist loadgroup` cannot say this under pytest 9.2 (it rewrites a test id pytest no longer
-# reads), so the scheduler is this one.
+# unit of xdist's work: they run one after another on one worker, in file order, as they would
+# alone (kills, heartbeats and timing-sensitive waits see no second stack beside theirs, and a test
+# that leans on the one before it in its module, as the replicas' and the second model's do, finds
+# it done on the same stack). Every other module is a unit of its own, run whole and in order on
+# whichever worker is free, mostly the second, beside the processes (`-n auto --maxprocesses 2`,
+# pyproject). xdist's own `--dist loadgroup` cannot say this under pytest 9.2 (it rewrites a test
+# id pytest no longer reads), so the scheduler is this one; it overrides `_split_scope`, as xdist's
+# own loadfile and loadgroup schedulers do (pytest-xdist is pinned below 4).
 PROCESS_DIRECTORIES = ("tests/e2e/", "tests/bench/")
 
 
