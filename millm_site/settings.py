@@ -191,6 +191,9 @@ ENGINE_MAX_REPLICAS = envint("ENGINE_MAX_REPLICAS", 1, minimum=1, maximum=64)
 # Prompt tokens prefilled per step boundary (at least one sequence joins whatever its length):
 # a long prompt joining does not stall every live sequence for several prompts' prefills.
 ENGINE_PREFILL_TOKENS_PER_STEP = envint("ENGINE_PREFILL_TOKENS_PER_STEP", 2048, minimum=1)
+# Prompts that join at one step boundary share one padded prefill ("on") or each runs alone
+# ("off"); "auto": together except in float32, whose batched rows equal the rows run alone.
+ENGINE_PREFILL_TOGETHER = envchoice("ENGINE_PREFILL_TOGETHER", "auto", ["auto", "on", "off"])
 # While a chat decodes, batch rows "pause" (a chat's step runs the chats alone: on a CPU a step of
 # 16 rows costs several single steps) or "decode" in the same steps (a GPU's wider step costs
 # little more); "auto": pause on a CPU, decode on a GPU.

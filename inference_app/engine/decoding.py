@@ -5,9 +5,13 @@ position for every row, and a row's padding columns are masked out (attention ma
 read. Each row carries its own next position (its real length so far), so rotary embeddings see
 exactly the positions the row would see alone.
 
-A prompt joins alone: `admit` prefills it in a forward pass of its own (the same pass a lone
-request runs, so its first token is the lone request's first token) and then merges its cache
-into the batch, padding whichever side is shorter. `drop` removes rows and trims the padding
+A prompt joins alone: `prefill` runs it in a forward pass of its own (the same pass a lone
+request runs, so its first token is the lone request's first token) and `admit` merges its cache
+into the batch, padding whichever side is shorter. Prompts that join at the same step boundary
+may instead share one pass (`prefill_together`, where the scheduler's policy says so): left-padded
+to the longest, as the batch's rows are, one row each, so `admit` merges them all at once; a
+padding column is masked in every layer, so each row's logits are its prompt's, to the
+accumulation order of a wider matmul (not bit for bit: float32 keeps them alone). `drop` removes rows and trims the padding
 columns no remaining row needs, so a long prompt that left stops widening every step.
 
 Only attention layers whose cache is every key and value (`DynamicLayer`) can be merged this way.
@@ -92,20 +96,40 @@ class BatchedDecoder:
                                                      for layer in out.cache.layers], owner)
         return out.cache, out.logits[0, -1].float(), start
 
+    @torch.inference_mode()
+    def prefill_together(self, prompts):
+        """Several prompts in one forward pass, left-padded to the longest (whole layers only):
+        (their cache, one row each; their mask [rows, width], 1 on a prompt's tokens; the float32
+        logits at each prompt's last token, [rows, vocab])."""
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # each row's own positions from its first token
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        out = self.runtime.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=DynamicCache(),
+                                 use_cache=True, logits_to_keep=1)
+        return out.cache, mask, out.logits[:, -1].float()
+
     @staticmethod
     def mergeable(cache):
         return all(type(layer) is DynamicLayer for layer in cache.layers)
 
     @torch.inference_mode()
-    def admit(self, cache, length):
-        """Merge a prefilled sequence's cache (`length` tokens) as the last row."""
-        row_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+    def admit(self, cache, length, row_mask=None):
+        """Merge a prefilled sequence's cache (`length` tokens) as the last row; or, with
+        `row_mask` ([rows, width], `prefill_together`'s), the cache's rows as the last rows."""
+        if row_mask is None:
+            row_mask = torch.ones((1, length), dtype=torch.long, device=self.device)
+        lengths = row_mask.sum(dim=1).tolist()
         if self.cache is None:
             for layer in cache.layers:  # a prefill leaves them transposed; a step's shapes want one layout
                 layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
-            self.cache, self.mask, self.positions = cache, row_mask, [length]
+            self.cache, self.mask, self.positions = cache, row_mask, lengths
             return
-        width = max(self.width, length)
+        width = max(self.width, row_mask.shape[1])
         # Every new tensor first, assigned only once all exist: out of memory halfway leaves the
         # batch as it was.
         merged = [
@@ -117,7 +141,7 @@ class BatchedDecoder:
         for layer, (keys, values) in zip(self.cache.layers, merged):
             layer.keys, layer.values = keys, values
         self.mask = mask
-        self.positions.append(length)
+        self.positions.extend(lengths)
 
     @torch.inference_mode()
     def step(self, token_ids):

@@ -6,13 +6,16 @@ and the gateway ask it; they keep only the mechanism (queues, locks, forward pas
   interactive ones) and `CLASSES_IN_ORDER` (the admission slot grants in that order);
 - how many requests may wait: `pending_limit`; how many seats a batch may take: `batch_seats`;
 - the lane mode: `lane_mode`;
-- the prefill budget per step: `joins_this_step`;
+- the prefill budget per step: `joins_this_step`; whether joiners share one prefill:
+  `prefills_together`, `fits_together`;
 - when a background holder gives way: `gives_way`;
 - which batch an engine takes next: `NEXT_BATCH_ORDER` and `claimable_beside`;
 - which replica a request goes to: `least_busy`.
 """
 
 import random
+
+import torch
 
 from django.db.models import Q
 
@@ -61,6 +64,22 @@ def joins_this_step(joined, prompt_tokens, budget_left, room):
     if joined >= room:
         return False
     return not joined or prompt_tokens <= budget_left
+
+
+def prefills_together(setting, dtype):
+    """ENGINE_PREFILL_TOGETHER: whether prompts that join at one step boundary share one padded
+    forward pass ("on") or each runs its own ("off", a lone request's exact pass). `auto`: together
+    except in float32, the dtype whose promise is that a batched row gives the tokens of the row
+    run alone (a wider matmul accumulates in another order)."""
+    if setting == "auto":
+        return dtype != torch.float32
+    return setting == "on"
+
+
+def fits_together(rows, longest, budget):
+    """Whether `rows` prompts left-padded to `longest` tokens share one prefill: the padded pass
+    stays within the prefill budget of a step (padding is computed like any token)."""
+    return rows * longest <= budget
 
 
 def gives_way(interactive_waiting):

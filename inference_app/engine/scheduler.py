@@ -9,9 +9,10 @@ A second thread running parallel kernels gives OpenMP a second pool, more worker
 machine where torch uses every core, and every kernel got slower (most likely waiting for a
 sleeping worker): one chat decoded at half speed (bench/FINDINGS.md, "One thread for every forward pass"). The steps:
 
-1. At a step boundary, waiting sequences join (interactive first), each prefilled alone, within
-   a budget of prompt tokens per step (at least one joins); its first token comes from its own
-   prefill.
+1. At a step boundary, waiting sequences join (interactive first), within a budget of prompt
+   tokens per step (at least one joins), each prefilled alone or, where the policy says so
+   (ENGINE_PREFILL_TOGETHER), those that join together in one padded pass; a sequence's first
+   token comes from its prefill.
 2. One forward pass for every live sequence; each row is sampled with its sequence's own
    generator, so a seeded request gives the same tokens alone or among others.
 3. Each token goes to its sequence's queue; a sequence leaves at EOS, its max_new_tokens, its
@@ -134,11 +135,12 @@ class StepScheduler:
     where a step of many rows costs several single steps (a CPU), a chat then decodes as fast as
     alone; "auto": pause on a CPU, decode on a GPU (where a wider step costs little more)."""
 
-    def __init__(self, prefill_tokens_per_step, batch_rows_beside_chats="auto", thread=None):
+    def __init__(self, prefill_tokens_per_step, batch_rows_beside_chats="auto", thread=None, prefill_together="off"):
         """`thread`: the single-thread executor its steps run in (the engine's model thread);
-        one of its own when none is given."""
+        one of its own when none is given. `prefill_together`: ENGINE_PREFILL_TOGETHER."""
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.batch_rows_beside_chats = batch_rows_beside_chats
+        self.prefill_together = prefill_together
         self.chats, self.rows = Lane(), Lane()
         self.decoder_class = BatchedDecoder
         self.steps = 0
@@ -254,21 +256,34 @@ class StepScheduler:
         return joining
 
     def _admit(self, lane, joining):
-        """Prefill each joiner alone and merge it; then, with everyone seated, sample each one's
-        first token (so `shared_at_first_token` is known before the token is seen). A joiner
+        """Prefill the joiners (each alone, or a run of them in one padded pass where
+        `sharing_one_prefill` says so) and merge them; then, with everyone seated, sample each
+        one's first token (so `shared_at_first_token` is known before the token is seen). A joiner
         that does not fit waits again (or, alone, ends with a 503); a model whose cache cannot
         merge takes one sequence at a time."""
         admitted, prefilled = [], {}  # prefilled: a prefill key -> (its cache, logits), for siblings
-        for index, sequence in enumerate(joining):
+        index, together = 0, True
+        while index < len(joining):
             if index and lane is not self.chats and self._chat_waiting():
                 self._requeue(joining[index:])  # a chat came during the rows' prefills: it goes first
                 break
+            group = (sharing_one_prefill(joining[index:], self.prefill_together, self.prefill_tokens_per_step)
+                     if together else [])
+            if group:
+                logits = self._prefill_together_and_merge(lane, group)
+                if logits is not None:
+                    admitted.extend(zip(group, logits))
+                    index += len(group)
+                    continue
+                together = False  # out of memory together: each of them alone, as before
+            sequence = joining[index]
             logits = self._prefill_and_merge(lane, sequence, prefilled)
             if logits is _WAIT:  # no room: it and the joiners after it wait
                 self._requeue(joining[index:])
                 break
             if logits is not _ENDED:
                 admitted.append((sequence, logits))
+            index += 1
         for sequence, logits in admitted:
             if not sequence.produced:
                 sequence.shared_at_first_token = len(lane.live) > 1
@@ -278,12 +293,36 @@ class StepScheduler:
         with self._condition:
             return any(self.lane_of(waiting) is self.chats for waiting in self._waiting)
 
+    def _prefill_together_and_merge(self, lane, group):
+        """The group's logits, a row each, once they are rows of the lane; None when the padded
+        pass ran out of device memory (the lane as it was: they prefill alone instead)."""
+        decoder = self._decoder_for(lane, group[0].runtime)
+        try:
+            cache, mask, logits = decoder.prefill_together([sequence.context_ids for sequence in group])
+            decoder.merges = BatchedDecoder.mergeable(cache)
+            decoder.admit(cache, None, row_mask=mask)
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        else:
+            out_of_memory = False
+        if out_of_memory:  # outside the except block, whose traceback holds the prefill's memory
+            cache = logits = None
+            _free_device_memory()
+            return None
+        lane.live.extend(group)
+        return list(logits)
+
+    def _decoder_for(self, lane, runtime):
+        """The lane's decoder: a new one for `runtime` when the lane is empty and has none for it."""
+        if not lane.live and (lane.decoder is None or lane.decoder.runtime is not runtime):
+            lane.decoder = self.decoder_class(runtime)
+        return lane.decoder
+
     def _prefill_and_merge(self, lane, sequence, prefilled):
         """The joiner's logits once it is a row of the lane; _WAIT when it must wait, _ENDED
         when it cannot fit even alone. A sibling whose prompt was prefilled at this boundary
         takes a copy of that prefill's cache instead of running its own."""
-        if not lane.live and (lane.decoder is None or lane.decoder.runtime is not sequence.runtime):
-            lane.decoder = self.decoder_class(sequence.runtime)
+        self._decoder_for(lane, sequence.runtime)
         if lane.live and not lane.merges:
             return _WAIT
         context = sequence.context_ids
@@ -381,6 +420,27 @@ class StepScheduler:
         if not lane.live:
             lane.capacity = None  # the device has all its memory back: try full width again
         self._end_abandoned(ended)
+
+
+def sharing_one_prefill(candidates, setting, budget):
+    """The joiners from the first of `candidates` on that share one padded prefill: two or more,
+    in order, each with a plain prefill (no cached prefix to begin from, no sibling sharing its
+    prompt's pass) of a model whose cache merges as whole layers, where the policy says so
+    (`setting`: ENGINE_PREFILL_TOGETHER), the padded pass within the prefill `budget`; [] when
+    the first prefills alone."""
+    first = candidates[0]
+    if not (first.runtime.batches and policy.prefills_together(setting, first.runtime.dtype)):
+        return []
+    group, longest = [], 0
+    for sequence in candidates:
+        if sequence.runtime is not first.runtime or sequence.reuse_prefix or sequence.prefill_key is not None:
+            break
+        length = max(longest, len(sequence.context_ids))
+        if not policy.fits_together(len(group) + 1, length, budget):
+            break
+        group.append(sequence)
+        longest = length
+    return group if len(group) > 1 else []
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ class Seating:
         self.service_threads = ThreadPoolExecutor(self.seats, thread_name_prefix="service")
         # Every forward pass in one thread, the scheduler's steps too (scheduler.py says why).
         self.scheduler = StepScheduler(settings.ENGINE_PREFILL_TOKENS_PER_STEP, settings.ENGINE_BATCH_ROWS_BESIDE_CHATS,
-                                       thread=self.model_thread)
+                                       thread=self.model_thread, prefill_together=settings.ENGINE_PREFILL_TOGETHER)
 
     @property
     def batched(self):
