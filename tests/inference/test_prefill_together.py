@@ -9,9 +9,10 @@ import time
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from inference_app.engine import policy
-from inference_app.engine.decoding import BatchedDecoder
+from inference_app.engine.decoding import BatchedDecoder, GrowingLayer
 from inference_app.engine.scheduler import StepScheduler
 from tests.inference.test_architectures import tiny  # noqa: F401 (a fixture)
 from tests.inference.test_scheduler import PROMPTS, alone, together
@@ -143,3 +144,31 @@ def test_the_policy():
     assert not policy.prefills_together("auto", torch.float32)
     assert policy.prefills_together("on", torch.float32) and not policy.prefills_together("off", torch.bfloat16)
     assert policy.fits_together(4, 512, 2048) and not policy.fits_together(5, 512, 2048)
+
+
+def test_a_step_writes_its_keys_in_place_and_a_merge_or_drop_moves_them_to_new_room(resident):
+    """The batched cache grows in place (decoding.GrowingLayer): steps after the first reuse one
+    buffer per layer, where transformers' layer concatenated the whole cache every step; a merge
+    or a drop assigns new tensors, which the next step moves into room of their own; the logits
+    equal those of a decoder whose layers concatenate (transformers' own DynamicLayer)."""
+    prompts = PROMPTS[:3]
+    grown, _ = _together_decoder(resident, prompts)
+    plain = BatchedDecoder(resident)
+    plain.grows_in_place = False
+    cache, mask, _ = plain.prefill_together([resident.encode(prompt) for prompt in prompts])
+    plain.admit(cache, None, row_mask=mask)
+    assert type(plain.cache.layers[0]) is DynamicLayer and type(grown.cache.layers[0]) is GrowingLayer
+    tokens = [alone(resident, prompt, STEPS) for prompt in prompts]
+    pointers = []
+    for step in range(STEPS):
+        rows = [row[min(step, len(row) - 1)] for row in tokens]
+        torch.testing.assert_close(grown.step(rows), plain.step(rows), rtol=0, atol=0)
+        pointers.append(grown.cache.layers[0].keys.data_ptr())
+    assert len(set(pointers[1:])) == 1  # one buffer from the second step on
+    assert grown.cache.layers[0].keys.shape == plain.cache.layers[0].keys.shape
+    grown.drop([1])
+    plain.drop([1])
+    before = grown.cache.layers[0].keys.data_ptr()
+    rows = [tokens[0][-1], tokens[2][-1]]
+    torch.testing.assert_close(grown.step(rows), plain.step(rows), rtol=0, atol=0)
+    assert grown.cache.layers[0].keys.data_ptr() != before  # moved into room of its own
