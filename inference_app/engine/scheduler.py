@@ -43,6 +43,7 @@ log = logging.getLogger("millm.engine")
 
 _END = object()
 _WAIT, _ENDED = object(), object()  # what an admission can come to besides the joiner's logits
+_OUT_OF_MEMORY = object()
 # The resident model's forward passes other than generation: a seated request must never run
 # them beside the scheduler's steps (they take the whole model, through the slot).
 _NOT_SEATED = frozenset({"last_logits", "packed_last_logits", "packed_embed", "embed", "hidden_states"})
@@ -297,17 +298,15 @@ class StepScheduler:
         """The group's logits, a row each, once they are rows of the lane; None when the padded
         pass ran out of device memory (the lane as it was: they prefill alone instead)."""
         decoder = self._decoder_for(lane, group[0].runtime)
-        try:
+
+        def prefill_and_admit():
             cache, mask, logits = decoder.prefill_together([sequence.context_ids for sequence in group])
             decoder.merges = BatchedDecoder.mergeable(cache)
             decoder.admit(cache, None, row_mask=mask)
-        except torch.OutOfMemoryError:
-            out_of_memory = True
-        else:
-            out_of_memory = False
-        if out_of_memory:  # outside the except block, whose traceback holds the prefill's memory
-            cache = logits = None
-            _free_device_memory()
+            return logits
+
+        logits = _unless_out_of_memory(prefill_and_admit)
+        if logits is _OUT_OF_MEMORY:
             return None
         lane.live.extend(group)
         return list(logits)
@@ -327,7 +326,8 @@ class StepScheduler:
             return _WAIT
         context = sequence.context_ids
         key = (sequence.prefill_key, tuple(context)) if sequence.prefill_key is not None else None
-        try:
+
+        def prefill_and_admit():
             if key in prefilled:
                 cache, logits, sequence.prefix_tokens_reused = _copied(prefilled[key])
             else:
@@ -343,13 +343,12 @@ class StepScheduler:
             if lane.live and not lane.decoder.merges:
                 return _WAIT
             lane.decoder.admit(cache, len(context))
-        except torch.OutOfMemoryError:
-            out_of_memory = True
-        else:
-            out_of_memory = False
-        if out_of_memory:  # outside the except block, whose traceback holds the prefill's memory
-            cache = logits = None
-            _free_device_memory()
+            return logits
+
+        logits = _unless_out_of_memory(prefill_and_admit)
+        if logits is _WAIT:
+            return _WAIT
+        if logits is _OUT_OF_MEMORY:
             if not lane.live:
                 sequence.failure = does_not_fit(len(context))
                 self._end_abandoned([sequence])
@@ -441,6 +440,17 @@ def sharing_one_prefill(candidates, setting, budget):
         group.append(sequence)
         longest = length
     return group if len(group) > 1 else []
+
+
+def _unless_out_of_memory(function):
+    """`function()`, or _OUT_OF_MEMORY when the device ran out of memory in it (its memory freed:
+    the failure's traceback, which holds the pass's tensors, is gone before the cache is emptied)."""
+    try:
+        return function()
+    except torch.OutOfMemoryError:
+        pass
+    _free_device_memory()
+    return _OUT_OF_MEMORY
 
 
 @torch.inference_mode()

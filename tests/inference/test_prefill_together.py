@@ -172,3 +172,25 @@ def test_a_step_writes_its_keys_in_place_and_a_merge_or_drop_moves_them_to_new_r
     rows = [tokens[0][-1], tokens[2][-1]]
     torch.testing.assert_close(grown.step(rows), plain.step(rows), rtol=0, atol=0)
     assert grown.cache.layers[0].keys.data_ptr() != before  # moved into room of its own
+
+
+class _OutOfMemoryTogether(_Recording):
+    """The device's memory as a GPU's would run out: a padded pass of several prompts fails
+    (a fault injected into the decoder, the model itself untouched)."""
+
+    def prefill_together(self, prompts):
+        _Recording.passes.append("failed")
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+
+def test_a_padded_prefill_out_of_memory_prefills_each_joiner_alone(resident):
+    scheduler = StepScheduler(prefill_tokens_per_step=4096, prefill_together="on")
+    scheduler.decoder_class = _OutOfMemoryTogether
+    _Recording.passes = []
+    lengths = [6, 9, 4, 7]
+    results = _gated(resident, scheduler, [(prompt, n, 0.0, None) for prompt, n in zip(PROMPTS, lengths)])
+    for prompt, n, (tokens, _) in zip(PROMPTS, lengths, results):
+        assert tokens == alone(resident, prompt, n), prompt
+    assert _Recording.passes[0] == "failed" and _Recording.passes.count("failed") == 1
+    assert sorted(len(lengths_) for lengths_ in _Recording.passes[1:]) == [1] * 4  # then each alone
+    assert scheduler.live == [] and scheduler.chats.capacity is None
