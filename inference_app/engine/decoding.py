@@ -11,8 +11,9 @@ into the batch, padding whichever side is shorter. Prompts that join at the same
 may instead share one pass (`prefill_together`, where the scheduler's policy says so): left-padded
 to the longest, as the batch's rows are, one row each, so `admit` merges them all at once; a
 padding column is masked in every layer, so each row's logits are its prompt's, to the
-accumulation order of a wider matmul (not bit for bit: float32 keeps them alone). `drop` removes rows and trims the padding
-columns no remaining row needs, so a long prompt that left stops widening every step.
+accumulation order of a wider matmul (not bit for bit: float32 keeps them alone). `drop` removes
+rows and trims the padding columns no remaining row needs, so a long prompt that left stops
+widening every step.
 
 A step's new keys and values are written in place (`GrowingLayer`): each layer's keys are a view
 of a buffer with room for more columns, grown by half again when full, where transformers' own
