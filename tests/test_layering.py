@@ -4,7 +4,10 @@ no app imports the site, and no package-level cycle is left. Read from the sourc
 
 import ast
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 
 from tests.conftest import ROOT
 
@@ -289,3 +292,14 @@ def test_the_internals_finder_finds_one(tmp_path):
     found = [(module, name) for module, name in internal_imports(probe, "batches_app")]
     assert found == [("inference_app.engine.scheduler", "StepScheduler"), ("inference_app.engine.decoding", ""),
                      ("inference_app.models", "_private")]
+
+
+def test_a_web_process_loads_its_whole_application_without_torch():
+    """Web processes are stateless and many: the ASGI application with every route (the gateway
+    and the scheduling policy among them) never imports torch, which only the engine needs."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, django; django.setup(); import millm_site.asgi, millm_site.urls; "
+                               "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))"],
+        cwd=ROOT, env={**os.environ, "DJANGO_SETTINGS_MODULE": "millm_site.settings"},
+        capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip().splitlines()[-1] == "[]", loaded.stdout + loaded.stderr

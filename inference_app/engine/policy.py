@@ -15,8 +15,6 @@ and the gateway ask it; they keep only the mechanism (queues, locks, forward pas
 
 import random
 
-import torch
-
 from django.db.models import Q
 
 # The admission slot's classes of work in the order it grants them: interactive, then background.
@@ -66,13 +64,14 @@ def joins_this_step(joined, prompt_tokens, budget_left, room):
     return not joined or prompt_tokens <= budget_left
 
 
-def prefills_together(setting, dtype):
+def prefills_together(setting, dtype_name):
     """ENGINE_PREFILL_TOGETHER: whether prompts that join at one step boundary share one padded
     forward pass ("on") or each runs its own ("off", a lone request's exact pass). `auto`: together
-    except in float32, the dtype whose promise is that a batched row gives the tokens of the row
-    run alone (a wider matmul accumulates in another order)."""
+    except in float32 (`dtype_name`, the runtime's), the dtype whose promise is that a batched row
+    gives the tokens of the row run alone (a wider matmul accumulates in another order). By name:
+    web processes import this module and never torch."""
     if setting == "auto":
-        return dtype != torch.float32
+        return dtype_name != "float32"
     return setting == "on"
 
 

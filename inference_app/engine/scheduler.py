@@ -428,7 +428,7 @@ def sharing_one_prefill(candidates, setting, budget):
     (`setting`: ENGINE_PREFILL_TOGETHER), the padded pass within the prefill `budget`; [] when
     the first prefills alone."""
     first = candidates[0]
-    if not (first.runtime.batches and policy.prefills_together(setting, first.runtime.dtype)):
+    if not (first.runtime.batches and policy.prefills_together(setting, first.runtime.dtype_name)):
         return []
     group, longest = [], 0
     for sequence in candidates:

@@ -140,9 +140,9 @@ def test_the_scheduler_prefills_joiners_together_where_the_policy_says(resident,
 
 
 def test_the_policy():
-    assert policy.prefills_together("auto", torch.bfloat16) and policy.prefills_together("auto", torch.float16)
-    assert not policy.prefills_together("auto", torch.float32)
-    assert policy.prefills_together("on", torch.float32) and not policy.prefills_together("off", torch.bfloat16)
+    assert policy.prefills_together("auto", "bfloat16") and policy.prefills_together("auto", "float16")
+    assert not policy.prefills_together("auto", "float32")
+    assert policy.prefills_together("on", "float32") and not policy.prefills_together("off", "bfloat16")
     assert policy.fits_together(4, 512, 2048) and not policy.fits_together(5, 512, 2048)
 
 
