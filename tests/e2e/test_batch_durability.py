@@ -251,14 +251,18 @@ def test_an_interactive_chat_goes_first_at_the_next_chunk_boundary(slow):
     chunk_started = time.monotonic()
     wait_for(client, batch.id, {"in_progress"}, check=lambda b: b.request_counts.completed >= 2)
     chunk_seconds = time.monotonic() - chunk_started  # one chunk: its forward pass plus the pause
+    before = client.batches.retrieve(batch.id).request_counts.completed
     started = time.monotonic()
     answer = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     latency = time.monotonic() - started
     assert answer.choices
     progress = client.batches.retrieve(batch.id)
     assert progress.status == "in_progress" and progress.request_counts.completed < 6
-    # Waited at most for the chunk in flight, then went before the batch's next chunk.
-    assert latency < chunk_seconds + 1.0, (latency, chunk_seconds)
+    # Waited at most for the chunk in flight (one row recorded meanwhile), then went before the
+    # batch's next chunk. Counted, not timed against the chunk before: the suite's other worker
+    # may load the CPU during one chunk and not the other (a chunk of 5.6 s, then a wait of 7.6 s).
+    assert progress.request_counts.completed <= before + 1, (before, progress.request_counts.completed)
+    assert latency < 2 * chunk_seconds + 1.0, (latency, chunk_seconds)
     client.batches.cancel(batch.id)
     wait_for(client, batch.id)
 
