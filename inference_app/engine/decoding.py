@@ -109,7 +109,7 @@ class BatchedDecoder:
         self.merges = None  # whether this model's cache merges (known after the first prefill)
         self.whole_layers = runtime.batches  # prefill into whole layers, to merge them
         # Steps write their keys in place, except in a compiled step (its shapes are its buckets').
-        self.grows_in_place = self.whole_layers and runtime.decode_forward is runtime.model
+        self.grows_in_place = self.whole_layers and not runtime.compiled
 
     @property
     def rows(self):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from django.conf import settings
 
 from inference_app import chat_templates
-from inference_app.engine import compiled, decoding, quantized
+from inference_app.engine import compiled, decoding, lean_step, quantized
 from inference_app.engine.prefix_cache import PrefixCache
 from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
@@ -46,8 +46,13 @@ class ResidentModel:
         # Whether generation sequences can share decode steps, and the start-up line's words for it.
         self.batches, self.decoding = decoding.batches(self.model.config)
         log.info("decoding %s: %s", self.model_id, self.decoding)
-        # What the scheduler's decode steps call: the model itself, or its compiled forward.
-        self.decode_forward = self.model
+        # An eager decode step: the lean step where it reproduces the model's forward pass (the
+        # Llama family's layers: lean_step.py), else the model itself; both loops' steps run it.
+        lean, self.step_words = lean_step.supports(self.model)
+        self.eager_step = lean_step.LeanStep(self.model) if lean else self.model
+        log.info("decode steps for %s: %s", self.model_id, self.step_words)
+        # What the scheduler's decode steps call: the eager step, or the model's compiled forward.
+        self.decode_forward = self.eager_step
         self.fingerprint = self._fingerprint()
         # Shared prefixes' keys and values (prefix_cache.py): this model's own, dropped with it.
         self.prefix_cache = PrefixCache(settings.MILLM_PREFIX_CACHE_MB * 2**20)
@@ -79,7 +84,12 @@ class ResidentModel:
     def _fingerprint(self):
         loaded = self.loaded
         return system_fingerprint(self.model_id, loaded.revision, self.dtype_name, loaded.source.quantization,
-                                  self.weights_form, compiled=self.decode_forward is not self.model)
+                                  self.weights_form, compiled=self.compiled)
+
+    @property
+    def compiled(self):
+        """Whether the scheduler's decode steps run the compiled forward (MILLM_COMPILE=decode)."""
+        return self.decode_forward is not self.eager_step
 
     @property
     def weights_form(self):
@@ -172,7 +182,7 @@ class ResidentModel:
             if eos:
                 return
             step = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=step, cache=out.cache, use_cache=True, logits_to_keep=1)
+            out = self.eager_step(input_ids=step, cache=out.cache, use_cache=True, logits_to_keep=1)
 
     @staticmethod
     def _sample(logits, temperature, top_p, generator):

@@ -1,0 +1,81 @@
+"""The lean decode step (lean_step.py) equals the model's own forward pass bit for bit: logits
+and the cache it writes, at every step, for left-padded rows with their own positions (the
+scheduler's steps) and for one row with no mask (the one-sequence loop's), in float32 and
+bfloat16, dense and packed; the engine runs it for the Llama family only and says so."""
+
+import copy
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from inference_app.engine import lean_step
+from inference_app.engine.loader import load_model
+from inference_app.engine.runtime import ResidentModel
+from tests.inference.test_architectures import tiny  # noqa: F401 (a fixture)
+from tests.inference.test_scheduler import PROMPTS
+
+STEPS = 5
+
+
+def _assert_steps_equal(runtime, model, prompts, masked=True):
+    """Prefill the prompts left-padded (the model's own pass), then STEPS greedy steps from two
+    copies of that cache: the model's forward on one, the lean step on the other."""
+    rows = [runtime.encode(prompt) for prompt in prompts]
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask if masked else None, position_ids=positions if masked else None,
+                    cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+        theirs, mine = out.cache, copy.deepcopy(out.cache)
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+        positions = mask.sum(dim=1, keepdim=True)
+        lean = lean_step.LeanStep(model)
+        for step in range(STEPS):
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+            inputs = dict(attention_mask=mask, position_ids=positions) if masked else {}
+            expected = model(input_ids=tokens, cache=theirs, use_cache=True, logits_to_keep=1, **inputs)
+            got = lean(input_ids=tokens, cache=mine, use_cache=True, logits_to_keep=1, **inputs)
+            assert got.cache is mine
+            assert torch.equal(got.logits, expected.logits), f"step {step}"
+            for index, (a, b) in enumerate(zip(theirs.layers, mine.layers)):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), f"step {step}, layer {index}"
+            tokens = expected.logits[:, -1].argmax(-1, keepdim=True)
+            positions = positions + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_step_equals_the_models_forward_bit_for_bit(resident, dtype):
+    model = resident.model if dtype == torch.float32 else copy.deepcopy(resident.model).to(dtype)
+    assert lean_step.supports(model)[0]
+    _assert_steps_equal(resident, model, PROMPTS[:4])  # rows of 1 to 13 tokens: padding in most
+    _assert_steps_equal(resident, model, PROMPTS[3:4], masked=False)  # the one-sequence loop's call
+
+
+def test_the_engine_runs_it_for_llama_and_its_tokens_are_the_models(resident):
+    assert isinstance(resident.eager_step, lean_step.LeanStep) and resident.decode_forward is resident.eager_step
+    assert not resident.compiled and "lean step" in resident.step_words
+    ids = resident.encode(PROMPTS[0])
+    tokens = [token.token_id for token in resident.generate(ids, 8, 0.0, 1.0, 0)]
+    with torch.inference_mode():  # the same loop on the model's own forward
+        expected, cache, last = [], None, ids
+        for _ in range(len(tokens)):
+            out = resident.model(input_ids=torch.tensor([last]), cache=cache, use_cache=True, logits_to_keep=1)
+            expected.append(int(out.logits[0, -1].argmax()))
+            cache, last = out.cache, [expected[-1]]
+    assert tokens == expected
+
+
+def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source):
+    runtime = ResidentModel(load_model(default_source, weights="quantized"))
+    assert isinstance(runtime.eager_step, lean_step.LeanStep)
+    _assert_steps_equal(runtime, runtime.model, PROMPTS[:3])
+
+
+def test_other_architectures_run_their_own_forward_and_say_so(tiny):  # noqa: F811
+    arch, resident = tiny
+    supported, words = lean_step.supports(resident.model)
+    assert not supported and "own forward" in words and type(resident.model).__name__ in words
+    assert resident.eager_step is resident.model and resident.step_words == words
