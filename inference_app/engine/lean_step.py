@@ -1,4 +1,4 @@
-"""A decode step without transformers' module machinery, for the Llama family's layers.
+"""A decode step without transformers' module machinery, for the Llama and Gemma 3 layers.
 
 A decode step at one to a few rows is small work in many small calls: on a 2-core CPU the
 default model's one-row step took 26-28 ms, of which its 211 packed projections were 13.6 ms;
@@ -8,25 +8,23 @@ calls, keyword arguments passed down four levels, output-capturing decorators
 
 `LeanStep` runs the same operations as the model's own forward pass, in the same order, on
 the same modules and functions (the norms' arithmetic, the rotary embedding, the attention the
-model is set to, the cache's `update`, the mask transformers builds), with none of the rest, so
+model is set to, the cache's `update`, the masks transformers builds), with none of the rest, so
 its logits equal the model's bit for bit in every dtype (tests). It is the engine's eager decode
 step (the scheduler's steps and the one-sequence loop's); prefills, scoring and embeddings run
 the model's own forward. Modules are read at every step, so a weight edit or a packing change is
 seen at the next one.
 
-Which models: those whose every layer is transformers' Llama layer (`supports` says why not);
-any other runs its own forward, as before.
+Which models: a family below whose every layer and norm is the family's own class (`supports`
+says why not); any other runs its own forward, as before.
 """
 
 from dataclasses import dataclass
 
 import torch
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
-
-# The model classes whose forward pass `LeanStep` reproduces, with their layers' and norms' classes.
-SUPPORTED = {modeling_llama.LlamaForCausalLM: (modeling_llama.LlamaDecoderLayer, modeling_llama.LlamaRMSNorm)}
 
 
 @dataclass
@@ -35,23 +33,7 @@ class StepOutput:
     cache: object
 
 
-def supports(model):
-    """(whether `LeanStep` reproduces this model's forward pass, the start-up line's words)."""
-    kinds = SUPPORTED.get(type(model))
-    if kinds is None:
-        return False, f"{type(model).__name__}'s own forward (the lean step takes Llama's layers only)"
-    layer_kind, norm_kind = kinds
-    inner = model.model
-    layers_match = all(type(layer) is layer_kind and type(layer.input_layernorm) is norm_kind
-                       and type(layer.post_attention_layernorm) is norm_kind for layer in inner.layers)
-    if not layers_match or type(inner.norm) is not norm_kind:
-        return False, f"{type(model).__name__}'s own forward (its layers are not all Llama's)"
-    if len(inner.layers) != inner.config.num_hidden_layers:
-        return False, f"{type(model).__name__}'s own forward (its layer count differs from its config's)"
-    return True, "the lean step (the model's own operations, without its module machinery)"
-
-
-def _rms_norm(norm, hidden):
+def _llama_norm(norm, hidden):
     """LlamaRMSNorm.forward, its operations in its order, without the module call."""
     dtype = hidden.dtype
     hidden = hidden.to(torch.float32)
@@ -60,38 +42,134 @@ def _rms_norm(norm, hidden):
     return norm.weight * hidden.to(dtype)
 
 
+def _gemma3_norm(norm, hidden):
+    """Gemma3RMSNorm.forward: (x * w) rounded, where Llama rounds x before the weight."""
+    normed = hidden.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (normed * (1.0 + norm.weight.float())).type_as(hidden)
+
+
+def _mlp(mlp, hidden):
+    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+
+
+class _Llama:
+    layer, norm_class = modeling_llama.LlamaDecoderLayer, modeling_llama.LlamaRMSNorm
+    norms, attention_norms = ("input_layernorm", "post_attention_layernorm"), ()
+    norm = staticmethod(_llama_norm)
+    rotate = staticmethod(modeling_llama.apply_rotary_pos_emb)
+    eager = staticmethod(modeling_llama.eager_attention_forward)
+
+    @staticmethod
+    def masks_and_rotary(inner, hidden, attention_mask, cache, position_ids):
+        """Each layer's (mask, (cos, sin)), as LlamaModel.forward builds them."""
+        mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                  cache=cache, position_ids=position_ids)
+        rotary = inner.rotary_emb(hidden, position_ids=position_ids)
+        return [(mask, rotary)] * len(inner.layers)
+
+    @classmethod
+    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend):
+        attention = layer.self_attn
+        query, key, value = _projected(attention, cls.norm(layer.input_layernorm, hidden))
+        query, key = cls.rotate(query, key, *rotary)
+        key, value = cache.update(key, value, index)
+        attended, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling)
+        hidden = hidden + attention.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
+        return hidden + _mlp(layer.mlp, cls.norm(layer.post_attention_layernorm, hidden))
+
+    @staticmethod
+    def logits(model, hidden):
+        return model.lm_head(hidden)
+
+
+class _Gemma3:
+    layer, norm_class = modeling_gemma3.Gemma3DecoderLayer, modeling_gemma3.Gemma3RMSNorm
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    attention_norms = ("q_norm", "k_norm")
+    norm = staticmethod(_gemma3_norm)
+    rotate = staticmethod(modeling_gemma3.apply_rotary_pos_emb)
+    eager = staticmethod(modeling_gemma3.eager_attention_forward)
+
+    @staticmethod
+    def masks_and_rotary(inner, hidden, attention_mask, cache, position_ids):
+        """Each layer's (mask, (cos, sin)) for its layer type, as Gemma3TextModel.forward builds them."""
+        config = inner.config
+        arguments = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
+                         position_ids=position_ids)
+        masks = {"full_attention": create_causal_mask(**arguments),
+                 "sliding_attention": create_sliding_window_causal_mask(**arguments)}
+        rotary = {kind: inner.rotary_emb(hidden, position_ids, kind) for kind in set(config.layer_types)}
+        return [(masks[kind], rotary[kind]) for kind in config.layer_types[:len(inner.layers)]]
+
+    @classmethod
+    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend):
+        attention = layer.self_attn
+        query, key, value = _projected(attention, cls.norm(layer.input_layernorm, hidden))
+        query, key = cls.norm(attention.q_norm, query), cls.norm(attention.k_norm, key)
+        query, key = cls.rotate(query, key, *rotary)
+        key, value = cache.update(key, value, index)
+        attended, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling,
+                             sliding_window=attention.sliding_window)
+        attended = attention.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
+        hidden = hidden + cls.norm(layer.post_attention_layernorm, attended)
+        fed = _mlp(layer.mlp, cls.norm(layer.pre_feedforward_layernorm, hidden))
+        return hidden + cls.norm(layer.post_feedforward_layernorm, fed)
+
+    @staticmethod
+    def logits(model, hidden):
+        logits = model.lm_head(hidden)
+        capping = model.config.final_logit_softcapping
+        if capping is not None:
+            logits = torch.tanh(logits / capping) * capping
+        return logits
+
+
+FAMILIES = {modeling_llama.LlamaForCausalLM: _Llama, modeling_gemma3.Gemma3ForCausalLM: _Gemma3}
+
+
+def _projected(attention, hidden):
+    """The query, keys and values [rows, heads, tokens, head_dim] of the normed hidden states."""
+    heads = (*hidden.shape[:-1], -1, attention.head_dim)
+    return tuple(projection(hidden).view(heads).transpose(1, 2)
+                 for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+
+
+def supports(model):
+    """(whether `LeanStep` reproduces this model's forward pass, the start-up line's words)."""
+    name = type(model).__name__
+    family = FAMILIES.get(type(model))
+    if family is None:
+        return False, f"{name}'s own forward (the lean step takes Llama's and Gemma 3's layers)"
+    inner = model.model
+    norms = [inner.norm] + [getattr(layer, norm) for layer in inner.layers for norm in family.norms] + [
+        getattr(layer.self_attn, norm) for layer in inner.layers for norm in family.attention_norms]
+    if not all(type(layer) is family.layer for layer in inner.layers) or not all(
+            type(norm) is family.norm_class for norm in norms):
+        return False, f"{name}'s own forward (its layers are not all its family's own)"
+    if len(inner.layers) != inner.config.num_hidden_layers:
+        return False, f"{name}'s own forward (its layer count differs from its config's)"
+    if getattr(inner.config, "use_bidirectional_attention", False):
+        return False, f"{name}'s own forward (its attention is bidirectional)"
+    return True, "the lean step (the model's own operations, without its module machinery)"
+
+
 class LeanStep:
     """Called as the model is for a decode step; returns the logits and the cache it updated."""
 
     def __init__(self, model):
         self.model = model
+        self.family = FAMILIES[type(model)]
 
     @torch.inference_mode()
     def __call__(self, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=1, **_):
-        inner = self.model.model
-        config = inner.config
+        inner, family = self.model.model, self.family
         hidden = inner.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
-        mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
-        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
-                                                       modeling_llama.eager_attention_forward)
-        shape = hidden.shape[:-1]
-        for index, layer in enumerate(inner.layers):
-            attention = layer.self_attn
-            heads = (*shape, -1, attention.head_dim)
-            normed = _rms_norm(layer.input_layernorm, hidden)
-            query = attention.q_proj(normed).view(heads).transpose(1, 2)
-            key = attention.k_proj(normed).view(heads).transpose(1, 2)
-            value = attention.v_proj(normed).view(heads).transpose(1, 2)
-            query, key = modeling_llama.apply_rotary_pos_emb(query, key, cos, sin)
-            key, value = cache.update(key, value, index)
-            attended, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling)
-            hidden = hidden + attention.o_proj(attended.reshape(*shape, -1).contiguous())
-            normed = _rms_norm(layer.post_attention_layernorm, hidden)
-            mlp = layer.mlp
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
-        hidden = _rms_norm(inner.norm, hidden)
-        return StepOutput(self.model.lm_head(hidden[:, -logits_to_keep:, :]), cache)
+        per_layer = family.masks_and_rotary(inner, hidden, attention_mask, cache, position_ids)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, family.eager)
+        for index, (layer, (mask, rotary)) in enumerate(zip(inner.layers, per_layer)):
+            hidden = family.layer_step(layer, index, hidden, mask, rotary, cache, attend)
+        hidden = family.norm(inner.norm, hidden)
+        return StepOutput(family.logits(self.model, hidden[:, -logits_to_keep:, :]), cache)

@@ -1,7 +1,9 @@
 """The lean decode step (lean_step.py) equals the model's own forward pass bit for bit: logits
 and the cache it writes, at every step, for left-padded rows with their own positions (the
 scheduler's steps) and for one row with no mask (the one-sequence loop's), in float32 and
-bfloat16, dense and packed; the engine runs it for the Llama family only and says so."""
+bfloat16, dense and packed, for Llama and for Gemma 3 (its sliding layers' window, 8 tokens, is
+shorter than the prompts and steps); the engine runs it for those two and says so, and every
+other architecture runs its own forward."""
 
 import copy
 
@@ -9,13 +11,20 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from inference_app.catalogue import model_source
 from inference_app.engine import lean_step
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
-from tests.inference.test_architectures import tiny  # noqa: F401 (a fixture)
+from tests.inference.test_architectures import tiny, tiny_model_dir  # noqa: F401 (a fixture)
 from tests.inference.test_scheduler import PROMPTS
 
 STEPS = 5
+TAKEN = {"gemma3"}  # beside the tiny Llama, every other test's model
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return ResidentModel(load_model(model_source(str(tiny_model_dir("gemma3")))))
 
 
 def _assert_steps_equal(runtime, model, prompts, masked=True):
@@ -46,12 +55,23 @@ def _assert_steps_equal(runtime, model, prompts, masked=True):
             positions = positions + 1
 
 
+def _assert_equal_in(runtime, dtype):
+    model = runtime.model if dtype == torch.float32 else copy.deepcopy(runtime.model).to(dtype)
+    assert lean_step.supports(model)[0]
+    _assert_steps_equal(runtime, model, PROMPTS[:4])  # rows of 1 to 13 tokens: padding in most
+    _assert_steps_equal(runtime, model, PROMPTS[3:4], masked=False)  # the one-sequence loop's call
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_step_equals_the_models_forward_bit_for_bit(resident, dtype):
-    model = resident.model if dtype == torch.float32 else copy.deepcopy(resident.model).to(dtype)
-    assert lean_step.supports(model)[0]
-    _assert_steps_equal(resident, model, PROMPTS[:4])  # rows of 1 to 13 tokens: padding in most
-    _assert_steps_equal(resident, model, PROMPTS[3:4], masked=False)  # the one-sequence loop's call
+    _assert_equal_in(resident, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_step_equals_gemma3s_forward_bit_for_bit(gemma3, dtype):
+    assert isinstance(gemma3.eager_step, lean_step.LeanStep)
+    assert set(gemma3.model.config.layer_types) == {"sliding_attention", "full_attention"}
+    _assert_equal_in(gemma3, dtype)
 
 
 def test_the_engine_runs_it_for_llama_and_its_tokens_are_the_models(resident):
@@ -76,6 +96,9 @@ def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source):
 
 def test_other_architectures_run_their_own_forward_and_say_so(tiny):  # noqa: F811
     arch, resident = tiny
+    if arch in TAKEN:
+        assert isinstance(resident.eager_step, lean_step.LeanStep)
+        return
     supported, words = lean_step.supports(resident.model)
     assert not supported and "own forward" in words and type(resident.model).__name__ in words
     assert resident.eager_step is resident.model and resident.step_words == words
