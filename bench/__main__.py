@@ -88,7 +88,7 @@ def sizes(part, quick, tiny):
         "roundtrip": ["--requests", "25", *model],
         "packing": ["--rows", "6", "--repeats", "1", "--window", "4", *model],
         "memory": ["--upload-mb", "2", "--lines", "40", *model],
-        "generation": ["--rows", "4", "--max-tokens", "4", *model],
+        "generation": ["--rows", "4", "--max-tokens", "16", *model],
         "concurrency": ["--chats", "2", "4", "--max-tokens", "4", *model],
         "decoders": ["--prompts", "3", "--max-tokens", "4", *model],
         "grammar": ["--width", "2", "--max-tokens", "4", "--repeats", "1", *model],

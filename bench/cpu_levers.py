@@ -95,14 +95,14 @@ def main(argv=None, running=None):
         if args.only is not None and name not in args.only and name != "baseline":
             continue
         try:
-            resident.model = lever(copy.deepcopy(original) if name != "baseline" else original)
+            resident.serve(lever(copy.deepcopy(original) if name != "baseline" else original))
             speed, tokens = tokens_per_s()
             wide, rows = wide_tokens_per_s()
             outcomes[name] = {"tokens_per_s": speed, "tokens": tokens, "wide_tokens_per_s": wide, "rows": rows}
         except Exception as error:  # a lever this build lacks is a finding, not a failure
             outcomes[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         finally:
-            resident.model = original
+            resident.serve(original)
             torch.set_num_threads(default_threads)
 
     base = outcomes["baseline"]

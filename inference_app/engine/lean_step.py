@@ -2,29 +2,39 @@
 
 A decode step at one to a few rows is small work in many small calls: on a 2-core CPU the
 default model's one-row step took 26-28 ms, of which its 211 packed projections were 13.6 ms;
-the rest is the elementwise operations and the Python around them: the hooks of 300 module
-calls, keyword arguments passed down four levels, output-capturing decorators
+the rest is the elementwise operations and the Python around them: `nn.Module.__call__` for
+about 300 modules, keyword arguments passed down four levels, output-capturing decorators
 (bench/FINDINGS.md, "An Intel Xeon without bfloat16").
 
-`LeanStep` runs the same operations as the model's own forward pass, in the same order, on
-the same modules and functions (the norms' arithmetic, the rotary embedding, the attention the
-model is set to, the cache's `update`, the masks transformers builds), with none of the rest, so
-its logits equal the model's bit for bit in every dtype (tests). It is the engine's eager decode
-step (the scheduler's steps and the one-sequence loop's); prefills, scoring and embeddings run
-the model's own forward. Modules are read at every step, so a weight edit or a packing change is
-seen at the next one.
+`LeanStep` performs the operations of the model's own forward pass, in the same order, with the
+same functions and projection modules (the norms' and the layers' bodies written out, calling
+the rotary embedding, the attention the model is set to, the cache's `update`, the masks
+transformers builds), with none of the rest, so its logits equal the model's bit for bit (tests:
+float32 and bfloat16). It is the engine's eager decode step (the scheduler's steps and the
+one-sequence loop's); prefills, scoring and embeddings run the model's own forward. Modules are
+read at every step, so a weight edit or a packing change is seen at the next one.
 
-Which models: a family below whose every layer and norm is the family's own class (`supports`
-says why not); any other runs its own forward, as before.
+Which models: a family below whose every layer and norm is the family's own class, attending by
+SDPA (`millm_sdpa` included) or eagerly (`supports` says why not); and since the bodies are
+copied from one transformers release, `eager_step` runs one step both ways at load and keeps the
+model's own forward unless the logits are equal to the bit.
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
+
+from inference_app.engine import attention as millm_attention
+
+# The attention implementations whose functions take nothing from the arguments the lean step
+# leaves out (position ids, `use_cache`): flash attention reads position ids, so it is not here.
+ATTENTIONS = frozenset({"sdpa", "eager", millm_attention.NAME})
 
 
 @dataclass
@@ -53,9 +63,18 @@ def _mlp(mlp, hidden):
     return mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
 
 
+def _projected(attention, hidden):
+    """The query, keys and values [rows, heads, tokens, head_dim] of the normed hidden states."""
+    heads = (*hidden.shape[:-1], -1, attention.head_dim)
+    return tuple(projection(hidden).view(heads).transpose(1, 2)
+                 for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+
+
 class _Llama:
-    layer, norm_class = modeling_llama.LlamaDecoderLayer, modeling_llama.LlamaRMSNorm
-    norms, attention_norms = ("input_layernorm", "post_attention_layernorm"), ()
+    layer = modeling_llama.LlamaDecoderLayer
+    norm_class = modeling_llama.LlamaRMSNorm
+    norms = ("input_layernorm", "post_attention_layernorm")
+    attention_norms = ()
     norm = staticmethod(_llama_norm)
     rotate = staticmethod(modeling_llama.apply_rotary_pos_emb)
     eager = staticmethod(modeling_llama.eager_attention_forward)
@@ -84,7 +103,8 @@ class _Llama:
 
 
 class _Gemma3:
-    layer, norm_class = modeling_gemma3.Gemma3DecoderLayer, modeling_gemma3.Gemma3RMSNorm
+    layer = modeling_gemma3.Gemma3DecoderLayer
+    norm_class = modeling_gemma3.Gemma3RMSNorm
     norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
     attention_norms = ("q_norm", "k_norm")
     norm = staticmethod(_gemma3_norm)
@@ -128,13 +148,6 @@ class _Gemma3:
 FAMILIES = {modeling_llama.LlamaForCausalLM: _Llama, modeling_gemma3.Gemma3ForCausalLM: _Gemma3}
 
 
-def _projected(attention, hidden):
-    """The query, keys and values [rows, heads, tokens, head_dim] of the normed hidden states."""
-    heads = (*hidden.shape[:-1], -1, attention.head_dim)
-    return tuple(projection(hidden).view(heads).transpose(1, 2)
-                 for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
-
-
 def supports(model):
     """(whether `LeanStep` reproduces this model's forward pass, the start-up line's words)."""
     name = type(model).__name__
@@ -151,6 +164,9 @@ def supports(model):
         return False, f"{name}'s own forward (its layer count differs from its config's)"
     if getattr(inner.config, "use_bidirectional_attention", False):
         return False, f"{name}'s own forward (its attention is bidirectional)"
+    kind = model.config._attn_implementation
+    if kind not in ATTENTIONS:
+        return False, f"{name}'s own forward (the lean step does not take {kind} attention)"
     return True, "the lean step (the model's own operations, without its module machinery)"
 
 
@@ -162,7 +178,8 @@ class LeanStep:
         self.family = FAMILIES[type(model)]
 
     @torch.inference_mode()
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, cache=None, logits_to_keep=1, **_):
+    def __call__(self, input_ids, cache, attention_mask=None, position_ids=None, logits_to_keep=1, use_cache=True):
+        """A decode step's arguments as the model takes them (`cache` is required: it is updated)."""
         inner, family = self.model.model, self.family
         hidden = inner.embed_tokens(input_ids)
         if position_ids is None:
@@ -173,3 +190,26 @@ class LeanStep:
             hidden = family.layer_step(layer, index, hidden, mask, rotary, cache, attend)
         hidden = family.norm(inner.norm, hidden)
         return StepOutput(family.logits(self.model, hidden[:, -logits_to_keep:, :]), cache)
+
+
+def eager_step(model):
+    """(the decode step to run eagerly, the start-up line's words): the lean step where the model
+    is supported and one step from the same short prefill gives the model's logits to the bit,
+    else the model itself."""
+    supported, words = supports(model)
+    if not supported:
+        return model, words
+    lean = LeanStep(model)
+    if not _agrees(model, lean):
+        return model, f"{type(model).__name__}'s own forward (the lean step's logits differed from it at load)"
+    return lean, words
+
+
+@torch.inference_mode()
+def _agrees(model, lean):
+    """One step both ways from copies of one prefill of three tokens: equal logits, to the bit."""
+    ids = torch.tensor([[1, 2, 3]], device=model.device)
+    prefilled = model(input_ids=ids, cache=DynamicCache(), use_cache=True, logits_to_keep=1).cache
+    theirs, mine = prefilled, copy.deepcopy(prefilled)
+    expected = model(input_ids=ids[:, -1:], cache=theirs, use_cache=True, logits_to_keep=1).logits
+    return torch.equal(lean(input_ids=ids[:, -1:], cache=mine).logits, expected)

@@ -46,18 +46,22 @@ class ResidentModel:
         # Whether generation sequences can share decode steps, and the start-up line's words for it.
         self.batches, self.decoding = decoding.batches(self.model.config)
         log.info("decoding %s: %s", self.model_id, self.decoding)
-        # An eager decode step: the lean step where it reproduces the model's forward pass (the
-        # Llama family's layers: lean_step.py), else the model itself; both loops' steps run it.
-        lean, self.step_words = lean_step.supports(self.model)
-        self.eager_step = lean_step.LeanStep(self.model) if lean else self.model
-        log.info("decode steps for %s: %s", self.model_id, self.step_words)
-        # What the scheduler's decode steps call: the eager step, or the model's compiled forward.
-        self.decode_forward = self.eager_step
+        self.serve(self.model)
         self.fingerprint = self._fingerprint()
         # Shared prefixes' keys and values (prefix_cache.py): this model's own, dropped with it.
         self.prefix_cache = PrefixCache(settings.MILLM_PREFIX_CACHE_MB * 2**20)
         if settings.MILLM_COMPILE == "decode":
             self.compile_decode_step()
+
+    def serve(self, model):
+        """Decode with `model` (at load; bench/cpu_levers.py swaps in a lever's copy). Its eager
+        step, which both loops' steps run: the lean step where it reproduces the model's forward
+        pass to the bit (lean_step.py: Llama's and Gemma 3's layers), else the model itself."""
+        self.model = model
+        self.eager_step, self.step_words = lean_step.eager_step(model)
+        log.info("decode steps for %s: %s", self.model_id, self.step_words)
+        # What the scheduler's decode steps call: the eager step, or the model's compiled forward.
+        self.decode_forward = self.eager_step
 
     def compile_decode_step(self, backend="inductor"):
         """MILLM_COMPILE=decode: compile the decode step's two shape buckets now (compiled.py)."""
@@ -179,7 +183,7 @@ class ResidentModel:
             produced.append(token_id)
             eos = self.is_eos(token_id)
             yield SampledToken(token_id, eos, logprobs)
-            if eos:
+            if eos or len(produced) == max_new_tokens:  # no step for a token nobody will sample
                 return
             step = torch.tensor([[token_id]], dtype=torch.long, device=self.device)
             out = self.eager_step(input_ids=step, cache=out.cache, use_cache=True, logits_to_keep=1)

@@ -56,8 +56,11 @@ def test_every_part_on_the_shared_stack_runs_at_a_tiny_size_and_reports_each_fig
     generation = summary["parts"]["generation"]
     assert generation["rows"] == 4 and generation["serial_rows_per_s"] > 0
     assert generation["batched_refused"] is None  # this server decodes batch rows together
+    # Rows shared decode steps. Not necessarily all four: each row reaches the scheduler from a
+    # thread of its own, and one that arrives after the others have ended decodes alone and is
+    # rightly marked `batched: false` (it failed once so, under the other worker's load).
+    assert generation["rows_marked_batched"] >= 2
     # float32 and greedy: every batched row is the serial row, token for token (README, "Batched decoding").
-    assert generation["rows_marked_batched"] == 4
     assert generation["same_text_rows"] == 4 and generation["first_differing_token"] == {}
 
 

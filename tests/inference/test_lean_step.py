@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from inference_app.catalogue import model_source
-from inference_app.engine import lean_step
+from inference_app.engine import attention, lean_step
 from inference_app.engine.loader import load_model
 from inference_app.engine.runtime import ResidentModel
 from tests.inference.test_architectures import tiny, tiny_model_dir  # noqa: F401 (a fixture)
@@ -36,8 +36,10 @@ def _assert_steps_equal(runtime, model, prompts, masked=True):
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with torch.inference_mode():
+        # Unmasked, as the one-sequence loop prefills: the model builds its own cache (Gemma 3's
+        # sliding layers then keep only the window); masked, the scheduler's whole layers.
         out = model(input_ids=ids, attention_mask=mask if masked else None, position_ids=positions if masked else None,
-                    cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+                    cache=DynamicCache() if masked else None, use_cache=True, logits_to_keep=1)
         theirs, mine = out.cache, copy.deepcopy(out.cache)
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)
         positions = mask.sum(dim=1, keepdim=True)
@@ -55,8 +57,14 @@ def _assert_steps_equal(runtime, model, prompts, masked=True):
             positions = positions + 1
 
 
-def _assert_equal_in(runtime, dtype):
-    model = runtime.model if dtype == torch.float32 else copy.deepcopy(runtime.model).to(dtype)
+def _assert_equal_in(runtime, dtype, softcapping=None):
+    model = runtime.model
+    if dtype != torch.float32 or softcapping is not None:
+        model = copy.deepcopy(model).to(dtype)
+        model.config.final_logit_softcapping = softcapping
+        # A 16-bit model on a CPU attends as the engine loads it: `millm_sdpa` (attention.py).
+        expected = attention.NAME if dtype != torch.float32 else "sdpa"
+        assert attention.use_for(model, torch.device("cpu"), dtype) == expected
     assert lean_step.supports(model)[0]
     _assert_steps_equal(runtime, model, PROMPTS[:4])  # rows of 1 to 13 tokens: padding in most
     _assert_steps_equal(runtime, model, PROMPTS[3:4], masked=False)  # the one-sequence loop's call
@@ -74,11 +82,19 @@ def test_the_lean_step_equals_gemma3s_forward_bit_for_bit(gemma3, dtype):
     _assert_equal_in(gemma3, dtype)
 
 
-def test_the_engine_runs_it_for_llama_and_its_tokens_are_the_models(resident):
+def test_the_lean_step_caps_gemma3s_logits_as_its_forward_does(gemma3):
+    _assert_equal_in(gemma3, torch.float32, softcapping=1.5)  # below the tiny model's logits: capped
+
+
+def test_the_engine_runs_it_for_llama_and_its_tokens_are_the_models(resident, monkeypatch):
     assert isinstance(resident.eager_step, lean_step.LeanStep) and resident.decode_forward is resident.eager_step
     assert not resident.compiled and "lean step" in resident.step_words
+    steps = []
+    monkeypatch.setattr(resident, "eager_step", lambda **arguments: steps.append(1) or lean_step.LeanStep(
+        resident.model)(**arguments))
     ids = resident.encode(PROMPTS[0])
     tokens = [token.token_id for token in resident.generate(ids, 8, 0.0, 1.0, 0)]
+    assert len(steps) == len(tokens) - 1  # every token after the prefill's came from the eager step
     with torch.inference_mode():  # the same loop on the model's own forward
         expected, cache, last = [], None, ids
         for _ in range(len(tokens)):
@@ -86,6 +102,15 @@ def test_the_engine_runs_it_for_llama_and_its_tokens_are_the_models(resident):
             expected.append(int(out.logits[0, -1].argmax()))
             cache, last = out.cache, [expected[-1]]
     assert tokens == expected
+
+
+def test_a_lean_step_that_parts_from_the_forward_is_not_run(resident, monkeypatch):
+    """The load's check: one step both ways, and the model's own forward where they differ."""
+    assert isinstance(lean_step.eager_step(resident.model)[0], lean_step.LeanStep)
+    wrong = staticmethod(lambda norm, hidden: lean_step._llama_norm(norm, hidden) * 1.5)
+    monkeypatch.setattr(lean_step._Llama, "norm", wrong)
+    step, words = lean_step.eager_step(resident.model)
+    assert step is resident.model and "differed" in words
 
 
 def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source):
