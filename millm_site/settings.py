@@ -194,6 +194,9 @@ ENGINE_PREFILL_TOKENS_PER_STEP = envint("ENGINE_PREFILL_TOKENS_PER_STEP", 2048, 
 # Prompts that join at one step boundary share one padded prefill ("on") or each runs alone
 # ("off"); "auto": together except in float32, whose batched rows equal the rows run alone.
 ENGINE_PREFILL_TOGETHER = envchoice("ENGINE_PREFILL_TOGETHER", "auto", ["auto", "on", "off"])
+# A 16-bit model's decode steps on a CPU attend on float32 copies ("float32") or in the model's
+# dtype ("model"); "auto": whichever the load times clearly faster on this CPU, float32 at a tie.
+ENGINE_DECODE_ATTENTION = envchoice("ENGINE_DECODE_ATTENTION", "auto", ["auto", "float32", "model"])
 # While a chat decodes, batch rows "pause" (a chat's step runs the chats alone: on a CPU a step of
 # 16 rows costs several single steps) or "decode" in the same steps (a GPU's wider step costs
 # little more); "auto": pause on a CPU, decode on a GPU.

@@ -14,6 +14,12 @@ float32 and bfloat16). It is the engine's eager decode step (the scheduler's ste
 one-sequence loop's); prefills, scoring and embeddings run the model's own forward. Modules are
 read at every step, so a weight edit or a packing change is seen at the next one.
 
+Three rewrites keep the bits and save operations: a layer's q, k and v, and its gate and up, run
+as one packed call where they are packed alike (fused_projections.py: each output feature is
+computed alone, so the parts equal the separate calls); a Llama layer rotates its query and key
+heads in one pass over that joined output (apply_rotary_pos_emb's operations, elementwise); and
+Llama's norm is `F.rms_norm` on the float32 states, its arithmetic to the bit in one operation.
+
 Which models: a family below whose every layer and norm is the family's own class, attending by
 SDPA (`millm_sdpa` included) or eagerly (`supports` says why not); and since the bodies are
 copied from one transformers release, `eager_step` runs one step both ways at load and keeps the
@@ -24,6 +30,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -31,6 +38,7 @@ from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
 
 from inference_app.engine import attention as millm_attention
+from inference_app.engine.fused_projections import Siblings
 
 # The attention implementations whose functions take nothing from the arguments the lean step
 # leaves out (position ids, `use_cache`): flash attention reads position ids, so it is not here.
@@ -44,12 +52,10 @@ class StepOutput:
 
 
 def _llama_norm(norm, hidden):
-    """LlamaRMSNorm.forward, its operations in its order, without the module call."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    """LlamaRMSNorm.forward without the module call: `F.rms_norm` of the float32 states is its
+    `x * rsqrt(mean(x^2) + eps)` to the bit, in one operation for five."""
+    normed = F.rms_norm(hidden.to(torch.float32), hidden.shape[-1:], eps=norm.variance_epsilon)
+    return norm.weight * normed.to(hidden.dtype)
 
 
 def _gemma3_norm(norm, hidden):
@@ -59,15 +65,26 @@ def _gemma3_norm(norm, hidden):
     return (normed * (1.0 + norm.weight.float())).type_as(hidden)
 
 
-def _mlp(mlp, hidden):
-    return mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+def _mlp(mlp, gate_up, hidden):
+    gate, up = gate_up(hidden)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-def _projected(attention, hidden):
+def _projected(attention, qkv, hidden):
     """The query, keys and values [rows, heads, tokens, head_dim] of the normed hidden states."""
     heads = (*hidden.shape[:-1], -1, attention.head_dim)
-    return tuple(projection(hidden).view(heads).transpose(1, 2)
-                 for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
+    return tuple(projected.view(heads).transpose(1, 2) for projected in qkv(hidden))
+
+
+def _rotated_together(attention, widths, together, cos, sin):
+    """The query, keys and values from q, k and v's outputs side by side: the query's and the
+    keys' heads rotated in one pass (apply_rotary_pos_emb's operations on both at once)."""
+    heads = together.view(*together.shape[:-1], -1, attention.head_dim).transpose(1, 2)
+    queries, keys = widths[0] // attention.head_dim, widths[1] // attention.head_dim
+    turned = heads[:, :queries + keys]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    turned = (turned * cos) + (modeling_llama.rotate_half(turned) * sin)
+    return turned[:, :queries], turned[:, queries:], heads[:, queries + keys:]
 
 
 class _Llama:
@@ -88,14 +105,19 @@ class _Llama:
         return [(mask, rotary)] * len(inner.layers)
 
     @classmethod
-    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend):
+    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend, qkv, gate_up):
         attention = layer.self_attn
-        query, key, value = _projected(attention, cls.norm(layer.input_layernorm, hidden))
-        query, key = cls.rotate(query, key, *rotary)
+        normed = cls.norm(layer.input_layernorm, hidden)
+        together = qkv.together(normed)
+        if together is None:
+            query, key, value = _projected(attention, qkv, normed)
+            query, key = cls.rotate(query, key, *rotary)
+        else:
+            query, key, value = _rotated_together(attention, qkv.widths, together, *rotary)
         key, value = cache.update(key, value, index)
         attended, _ = attend(attention, query, key, value, mask, dropout=0.0, scaling=attention.scaling)
         hidden = hidden + attention.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
-        return hidden + _mlp(layer.mlp, cls.norm(layer.post_attention_layernorm, hidden))
+        return hidden + _mlp(layer.mlp, gate_up, cls.norm(layer.post_attention_layernorm, hidden))
 
     @staticmethod
     def logits(model, hidden):
@@ -123,9 +145,9 @@ class _Gemma3:
         return [(masks[kind], rotary[kind]) for kind in config.layer_types[:len(inner.layers)]]
 
     @classmethod
-    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend):
+    def layer_step(cls, layer, index, hidden, mask, rotary, cache, attend, qkv, gate_up):
         attention = layer.self_attn
-        query, key, value = _projected(attention, cls.norm(layer.input_layernorm, hidden))
+        query, key, value = _projected(attention, qkv, cls.norm(layer.input_layernorm, hidden))
         query, key = cls.norm(attention.q_norm, query), cls.norm(attention.k_norm, key)
         query, key = cls.rotate(query, key, *rotary)
         key, value = cache.update(key, value, index)
@@ -133,7 +155,7 @@ class _Gemma3:
                              sliding_window=attention.sliding_window)
         attended = attention.o_proj(attended.reshape(*hidden.shape[:-1], -1).contiguous())
         hidden = hidden + cls.norm(layer.post_attention_layernorm, attended)
-        fed = _mlp(layer.mlp, cls.norm(layer.pre_feedforward_layernorm, hidden))
+        fed = _mlp(layer.mlp, gate_up, cls.norm(layer.pre_feedforward_layernorm, hidden))
         return hidden + cls.norm(layer.post_feedforward_layernorm, fed)
 
     @staticmethod
@@ -174,8 +196,12 @@ class LeanStep:
     """Called as the model is for a decode step; returns the logits and the cache it updated."""
 
     def __init__(self, model):
+        """Made once the model is packed (`ResidentModel.serve`): each layer's q, k and v, and its
+        gate and up, run as one call where they are packed alike (fused_projections.py)."""
         self.model = model
         self.family = FAMILIES[type(model)]
+        self.siblings = [(Siblings((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                          Siblings((layer.mlp.gate_proj, layer.mlp.up_proj))) for layer in model.model.layers]
 
     @torch.inference_mode()
     def __call__(self, input_ids, cache, attention_mask=None, position_ids=None, logits_to_keep=1, use_cache=True):
@@ -186,8 +212,8 @@ class LeanStep:
             position_ids = (torch.arange(hidden.shape[1], device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
         per_layer = family.masks_and_rotary(inner, hidden, attention_mask, cache, position_ids)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, family.eager)
-        for index, (layer, (mask, rotary)) in enumerate(zip(inner.layers, per_layer)):
-            hidden = family.layer_step(layer, index, hidden, mask, rotary, cache, attend)
+        for index, (layer, (mask, rotary), (qkv, gate_up)) in enumerate(zip(inner.layers, per_layer, self.siblings)):
+            hidden = family.layer_step(layer, index, hidden, mask, rotary, cache, attend, qkv, gate_up)
         hidden = family.norm(inner.norm, hidden)
         return StepOutput(family.logits(self.model, hidden[:, -logits_to_keep:, :]), cache)
 

@@ -102,13 +102,14 @@ def load_model(source, device=None, dtype=None, weights=None):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         model.to(device)
         model.eval()
-        attends = attention.use_for(model, device, dtype)
+        attends, why = attention.use_for(model, device, dtype, settings.ENGINE_DECODE_ATTENTION)
         form = "dense"
         if source.format == ModelEntry.Format.GGUF and weights != "dense":
             packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
             form = packing.label
-    log.info("loaded %s in %.1f s (%s, %s weights, %s attention, chat template: %s)", source.model_id,
-             time.monotonic() - started, str(dtype).removeprefix("torch."), form, attends, template.origin)
+    log.info("loaded %s in %.1f s (%s, %s weights, %s attention%s, chat template: %s)", source.model_id,
+             time.monotonic() - started, str(dtype).removeprefix("torch."), form, attends,
+             f" ({why})" if why else "", template.origin)
     return LoadedModel(source, model, tokenizer, device, dtype, revision, template, form)
 
 

@@ -1,6 +1,6 @@
 """The default engine end to end (issue 46): what `make run` runs, on a CPU with native bfloat16:
 the packaged SmolLM2 GGUF in `MILLM_DTYPE=auto` and `MILLM_WEIGHTS=auto` (bfloat16, packed int4
-projections, millm_sdpa attention), real processes. The rest of the suite pins float32; this
+projections, decode attention in the dtype `auto` timed faster), real processes. The rest of the suite pins float32; this
 module is the one that serves what ships. Skipped, naming the flags, where the CPU has no native
 bfloat16 (`auto` is the float32 reference there, which the rest of the suite runs)."""
 

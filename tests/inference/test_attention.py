@@ -1,10 +1,12 @@
 """Decode-step attention in float32 for a 16-bit model on a CPU (attention.py, SPEC 7a): the tiny
 model through the production loader, in float32 and in bfloat16."""
 
+import copy
 import json
 
 import pytest
 import torch
+from django.conf import settings
 
 from inference_app.catalogue import model_source
 from inference_app.engine import attention
@@ -17,7 +19,13 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def bfloat16_resident(test_model_dir):
-    return ResidentModel(load_model(model_source(str(test_model_dir)), CPU, torch.bfloat16))
+    """Decode steps attending in float32 (ENGINE_DECODE_ATTENTION=float32), whatever this CPU's
+    timing would choose."""
+    before, settings.ENGINE_DECODE_ATTENTION = settings.ENGINE_DECODE_ATTENTION, "float32"
+    try:
+        return ResidentModel(load_model(model_source(str(test_model_dir)), CPU, torch.bfloat16))
+    finally:
+        settings.ENGINE_DECODE_ATTENTION = before
 
 
 def test_a_float32_model_keeps_transformers_sdpa(resident):
@@ -26,6 +34,36 @@ def test_a_float32_model_keeps_transformers_sdpa(resident):
 
 def test_a_bfloat16_model_on_a_cpu_attends_through_millm_sdpa(bfloat16_resident):
     assert bfloat16_resident.model.config._attn_implementation == attention.NAME
+
+
+@pytest.mark.parametrize("setting, expected", [("float32", attention.NAME), ("model", "sdpa")])
+def test_the_setting_chooses_the_decode_attention(bfloat16_resident, setting, expected):
+    model = copy.deepcopy(bfloat16_resident.model)
+    model.set_attn_implementation("sdpa")
+    kind, why = attention.use_for(model, CPU, torch.bfloat16, setting)
+    assert kind == expected == model.config._attn_implementation and "ENGINE_DECODE_ATTENTION" in why
+
+
+@pytest.mark.parametrize("times, expected", [((2.0, 1.0), "sdpa"), ((1.0, 0.95), attention.NAME),
+                                             ((1.0, 2.0), attention.NAME)])
+def test_auto_attends_in_the_models_dtype_only_where_it_timed_clearly_faster(bfloat16_resident, monkeypatch,
+                                                                             times, expected):
+    """`auto` times both forms for the model's heads (here the timing's result is given, to see
+    each side of the rule; the next test times for real)."""
+    model = copy.deepcopy(bfloat16_resident.model)
+    model.set_attn_implementation("sdpa")
+    monkeypatch.setattr(attention, "_decode_times", lambda config, dtype: times)
+    kind, why = attention.use_for(model, CPU, torch.bfloat16, "auto")
+    assert kind == expected and "timed" in why
+
+
+def test_auto_times_the_models_own_heads(bfloat16_resident):
+    config = bfloat16_resident.model.config
+    mine, theirs = attention._decode_times(config, torch.bfloat16, repeats=2)
+    assert 0 < mine < 1 and 0 < theirs < 1
+    float32_model = copy.deepcopy(bfloat16_resident.model).float()
+    float32_model.set_attn_implementation("sdpa")
+    assert attention.use_for(float32_model, CPU, torch.float32, "auto") == ("sdpa", "")  # nothing to choose
 
 
 def _decode_logits(resident, prompts, steps=3):

@@ -57,14 +57,15 @@ def _assert_steps_equal(runtime, model, prompts, masked=True):
             positions = positions + 1
 
 
-def _assert_equal_in(runtime, dtype, softcapping=None):
+def _assert_equal_in(runtime, dtype, softcapping=None, decode_attention="float32"):
     model = runtime.model
     if dtype != torch.float32 or softcapping is not None:
         model = copy.deepcopy(model).to(dtype)
         model.config.final_logit_softcapping = softcapping
-        # A 16-bit model on a CPU attends as the engine loads it: `millm_sdpa` (attention.py).
-        expected = attention.NAME if dtype != torch.float32 else "sdpa"
-        assert attention.use_for(model, torch.device("cpu"), dtype) == expected
+        # A 16-bit model on a CPU attends as the engine loads it (attention.py): `millm_sdpa`
+        # where its decode steps attend in float32, transformers' sdpa in the model's dtype.
+        expected = attention.NAME if dtype != torch.float32 and decode_attention == "float32" else "sdpa"
+        assert attention.use_for(model, torch.device("cpu"), dtype, decode_attention)[0] == expected
     assert lean_step.supports(model)[0]
     _assert_steps_equal(runtime, model, PROMPTS[:4])  # rows of 1 to 13 tokens: padding in most
     _assert_steps_equal(runtime, model, PROMPTS[3:4], masked=False)  # the one-sequence loop's call
@@ -73,6 +74,10 @@ def _assert_equal_in(runtime, dtype, softcapping=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lean_step_equals_the_models_forward_bit_for_bit(resident, dtype):
     _assert_equal_in(resident, dtype)
+
+
+def test_the_lean_step_equals_the_forward_attending_in_bfloat16(resident):
+    _assert_equal_in(resident, torch.bfloat16, decode_attention="model")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,10 +118,14 @@ def test_a_lean_step_that_parts_from_the_forward_is_not_run(resident, monkeypatc
     assert step is resident.model and "differed" in words
 
 
-def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source):
-    runtime = ResidentModel(load_model(default_source, weights="quantized"))
+@pytest.mark.parametrize("weights", ["quantized", "blocks"])
+def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source, weights):
+    """Packed on either kernel, each layer's q, k and v and its gate and up run as one call
+    (fused_projections.py), and the steps still equal the model's forward to the bit."""
+    runtime = ResidentModel(load_model(default_source, weights=weights))
     assert isinstance(runtime.eager_step, lean_step.LeanStep)
     _assert_steps_equal(runtime, runtime.model, PROMPTS[:3])
+    assert all(qkv.joined and gate_up.joined for qkv, gate_up in runtime.eager_step.siblings)
 
 
 def test_other_architectures_run_their_own_forward_and_say_so(tiny):  # noqa: F811
