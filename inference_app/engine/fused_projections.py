@@ -6,19 +6,20 @@ call, the activations' conversion and per-block quantization, the output's alloc
 rounding. A default-model layer's q, k and v took 46 us as three calls on an Intel Xeon and
 16 us as one (bench/FINDINGS.md, "One packed call for sibling projections").
 
-`Siblings` joins the projections' packed weights along their output features: the block kernel's
-blocks (one row of blocks per feature) and the int4 kernel's packed weights (one row per feature)
-are laid end to end in one buffer, and each `PackedLinear` keeps a view of its own rows, so the
-packed bytes are not held twice (the int4 kernel's scales, laid out per group across the
-features, are copied: a few KiB a projection). Every output feature is computed alone by either
-kernel, in the same order of blocks, so each projection's slice of the joined product equals its
-own call to the bit (tests; the lean step's load-time check compares logits to the bit too).
+`Siblings` joins runs of consecutive projections packed alike (the same kernel, the same GGML
+type for the block kernel or one int4 pack each, the same inputs, no bias) along their output
+features: the block kernel's blocks (one row of blocks per feature) and the int4 kernel's packed
+weights (one row per feature) are laid end to end in one buffer, and each `PackedLinear` keeps a
+view of its own rows, so those bytes are not held twice. The int4 kernel's scales and zeros
+([groups, features, 2] bfloat16) are copied for the joined call: its kernel reads a strided view
+wrongly, so each projection keeps its own (72 bytes a feature at 576 inputs: 6.6 MiB for the
+default model's gate and up). Every output feature is computed alone by either kernel, in the
+same order of blocks, so each projection's slice of the joined product equals its own call to
+the bit (tests; the lean step's load-time check compares logits to the bit too).
 
-They join only where they run the same way: every one packed, with the same kernel, the same
-GGML type (block kernel) or one int4 pack each, the same inputs, the same widths, no bias. Above
-their packed width, or where they do not join, each runs as its own module. A change to any of
-them (an edit unpacks a projection) is seen at the next call, which joins them again or runs
-them apart.
+A joined run takes up to its narrowest packed width of rows; above it, and where projections do
+not join, each runs as its own module. A change to any of them (an edit unpacks a projection, a
+width changes) is seen at the next call, which joins them again.
 """
 
 import torch
@@ -36,31 +37,36 @@ class Siblings:
         self.widths = [p.out_features for p in self.projections]
         self._packed = all(isinstance(p, PackedLinear) for p in self.projections) and len(self.projections) > 1
         self._seen = None  # each projection's packed form when `_join` last looked
-        self._kernel = None  # the joined call: [rows, in] -> [rows, sum of widths]
+        # Runs of consecutive projections packed alike: (projections, joined call or None, rows it takes).
+        self._runs = [(self.projections, None, 0)]
 
     @property
     def joined(self):
-        """Whether they run as one call at their packed widths (as of the last call)."""
-        return self._kernel is not None
+        """Whether any of them run as one call at their packed widths (as of the last call)."""
+        return any(kernel is not None for _, kernel, _ in self._runs)
 
     def __call__(self, x):
-        together = self.together(x)
-        if together is None:
-            return tuple(projection(x) for projection in self.projections)
-        return together.split(self.widths, -1)
-
-    def together(self, x):
-        """Their outputs side by side, [..., sum of their out features], from one call; None
-        where they run apart (not joined, or more rows than their packed width)."""
         if self._packed and not self._unchanged():
             self._join()
-        if self._kernel is None:
+        rows = x.numel() // self.projections[0].in_features
+        outputs = []
+        for projections, kernel, max_rows in self._runs:
+            if kernel is not None and rows <= max_rows:
+                outputs.extend(_joined(kernel, x, rows).split([p.out_features for p in projections], -1))
+            else:
+                outputs.extend(projection(x) for projection in projections)
+        return tuple(outputs)
+
+    def together(self, x):
+        """All their outputs side by side, [..., sum of their out features], from one call; None
+        where they do not all run as one (packed differently, or more rows than a packed width)."""
+        if self._packed and not self._unchanged():
+            self._join()
+        [(_, kernel, max_rows), *others] = self._runs
+        rows = x.numel() // self.projections[0].in_features
+        if others or kernel is None or rows > max_rows:
             return None
-        first = self.projections[0]
-        rows = x.numel() // first.in_features
-        if first.max_rows is not None and rows > first.max_rows:
-            return None
-        return self._kernel(x.reshape(rows, first.in_features)).to(x.dtype).view(*x.shape[:-1], -1)
+        return _joined(kernel, x, rows)
 
     def _state(self):
         return [(p.blocks, p.packs, p.max_rows) for p in self.projections]
@@ -72,32 +78,42 @@ class Siblings:
             for p, (blocks, packs, max_rows) in zip(self.projections, seen))
 
     def _join(self):
-        projections = self.projections
-        self._kernel = None
-        if all(_joinable(p, projections[0]) for p in projections):
-            self._kernel = self._join_blocks() if projections[0].blocks is not None else self._join_int4()
+        runs = []
+        for projection in self.projections:
+            if runs and projection.packed and runs[-1][0].packed and _joinable(projection, runs[-1][0]):
+                runs[-1].append(projection)
+            else:
+                runs.append([projection])
+        self._runs = [(tuple(run), self._join_run(run) if len(run) > 1 else None,
+                       min(float("inf") if p.max_rows is None else p.max_rows for p in run)) for run in runs]
         self._seen = self._state()
 
-    def _join_blocks(self):
-        kind = self.projections[0].blocks[0]
-        joined = torch.cat([p.blocks[1] for p in self.projections])
-        for projection, rows in zip(self.projections, joined.split(self.widths)):
-            projection.blocks = (kind, rows)
-        return lambda x: block_kernel.block_mm(x, joined, kind)
-
-    def _join_int4(self):
-        joined = torch.cat([p.packs[0][0] for p in self.projections])
-        scales = torch.cat([p.packs[0][1] for p in self.projections], dim=1)
-        for projection, rows in zip(self.projections, joined.split(self.widths)):
+    @staticmethod
+    def _join_run(run):
+        """The run's joined call, its packed weights laid end to end as each one's storage."""
+        widths = [p.out_features for p in run]
+        if run[0].blocks is not None:
+            kind = run[0].blocks[0]
+            joined = torch.cat([p.blocks[1] for p in run])
+            for projection, rows in zip(run, joined.split(widths)):
+                projection.blocks = (kind, rows)
+            return lambda x: block_kernel.block_mm(x, joined, kind)
+        joined = torch.cat([p.packs[0][0] for p in run])
+        scales = torch.cat([p.packs[0][1] for p in run], dim=1)
+        for projection, rows in zip(run, joined.split(widths)):
             projection.packs = [(rows, projection.packs[0][1])]
         return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16).contiguous(), joined, GROUP, scales)
 
 
+def _joined(kernel, x, rows):
+    return kernel(x.reshape(rows, x.shape[-1])).to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def _joinable(projection, first):
-    if not projection.packed or projection.bias is not None:
-        return False
-    if projection.in_features != first.in_features or projection.max_rows != first.max_rows:
+    """Whether `projection` runs packed the way `first` does (both packed): the same kernel, GGML
+    type or single int4 pack, inputs, and no bias."""
+    if projection.bias is not None or first.bias is not None or projection.in_features != first.in_features:
         return False
     if first.blocks is not None:
         return projection.blocks is not None and projection.blocks[0] == first.blocks[0]

@@ -58,18 +58,20 @@ def test_an_unpacked_projection_or_a_narrower_width_runs_them_apart(packed_model
     siblings = Siblings(qkv)
     x = torch.randn(4, 1, qkv[0].in_features, generator=torch.Generator().manual_seed(4))
     _assert_parts_equal(siblings, x)
-    assert siblings.joined
+    assert siblings.joined and siblings.together(x) is not None
     widths = [p.max_rows for p in qkv]
     try:
-        for projection in qkv:
-            projection.max_rows = 2  # 4 rows is above every projection's packed width now
+        qkv[1].max_rows = 2  # k's packed width is now 2 rows: they join up to 2 rows only
         _assert_parts_equal(siblings, x)
-        assert siblings.joined  # still one call at up to 2 rows...
+        assert siblings.together(x) is None and siblings.together(x[:2]) is not None
         _assert_parts_equal(siblings, x[:2])
     finally:
         for projection, width in zip(qkv, widths):
             projection.max_rows = width
-    qkv[1].unpack()  # an edit's unpack: k runs dense from now on
+    qkv[2].unpack()  # an edit's unpack: v runs dense from now on; q and k still join
+    _assert_parts_equal(siblings, x)
+    assert siblings.joined and siblings.together(x) is None
+    qkv[1].unpack()  # k too: q alone, nothing joins
     _assert_parts_equal(siblings, x)
     assert not siblings.joined
 

@@ -128,6 +128,16 @@ def test_the_packaged_gguf_packed_steps_equal_its_forward(default_source, weight
     assert all(qkv.joined and gate_up.joined for qkv, gate_up in runtime.eager_step.siblings)
 
 
+def test_the_k_quant_gemmas_packed_steps_equal_its_forward(second_gguf):
+    """Gemma 3 270M Q4_K_M on the block kernel: its gate and up (one GGML type) run as one call,
+    its q, k and v as runs of those of one type, and the steps equal the model's forward."""
+    runtime = ResidentModel(load_model(model_source(str(second_gguf)), weights="blocks"))
+    assert isinstance(runtime.eager_step, lean_step.LeanStep)
+    _assert_steps_equal(runtime, runtime.model, PROMPTS[:3])
+    assert all(gate_up.joined for _, gate_up in runtime.eager_step.siblings)
+    assert any(qkv.joined for qkv, _ in runtime.eager_step.siblings)
+
+
 def test_other_architectures_run_their_own_forward_and_say_so(tiny):  # noqa: F811
     arch, resident = tiny
     if arch in TAKEN:
