@@ -6,7 +6,7 @@ than in float32 for the one-query shape of a decode step (one 576-wide SmolLM2 l
 120 cached tokens: 1.0 ms against 0.18 ms; bench/FINDINGS.md, "One thread for every forward pass;
 decode attention in float32"), so at 16 rows attention took half of every step. On an Intel Xeon
 with AMX it is the other way round (the same 16 rows: 0.14 ms in bfloat16, 0.97 ms for float32
-copies and their attention; "Decode attention in the model's dtype where it is faster"), so
+copies and their attention; "The Intel Xeon with AMX again"), so
 `use_for` chooses by timing both at load (ENGINE_DECODE_ATTENTION). `millm_sdpa` is
 transformers' own SDPA attention, with the mask transformers builds for SDPA, except that a pass
 of one query per row (a decode step) runs it on float32 copies of the query, keys and values and

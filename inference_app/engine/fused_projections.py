@@ -4,7 +4,7 @@ up) as one packed kernel call, for the lean decode step (lean_step.py).
 At one to a few rows a packed projection is small work with a fixed cost: the Python around the
 call, the activations' conversion and per-block quantization, the output's allocation and
 rounding. A default-model layer's q, k and v took 46 us as three calls on an Intel Xeon and
-16 us as one (bench/FINDINGS.md, "One packed call for sibling projections").
+16 us as one (bench/FINDINGS.md, "The Intel Xeon with AMX again").
 
 `Siblings` joins runs of consecutive projections packed alike (the same kernel, the same GGML
 type for the block kernel or one int4 pack each, the same inputs, no bias) along their output
