@@ -64,6 +64,8 @@ TIMED_SHAPES = ((1, 256), (8, 128))
 
 
 def dtype_name(dtype):
+    """"bfloat16" for torch.bfloat16: the name the settings, the start-up lines and the
+    fingerprint use."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -3,8 +3,9 @@ up) as one packed kernel call, for the lean decode step (lean_step.py).
 
 At one to a few rows a packed projection is small work with a fixed cost: the Python around the
 call, the activations' conversion and per-block quantization, the output's allocation and
-rounding. A default-model layer's q, k and v took 46 us as three calls on an Intel Xeon and
-16 us as one (bench/FINDINGS.md, "The Intel Xeon with AMX again").
+rounding. At one row a default-model layer's q, k and v took 46 us as three module calls on an
+Intel Xeon with AMX and 27 us as one joined call (the kernel itself 16 us); gate and up 64 us
+against 56 (bench/FINDINGS.md, "The Intel Xeon with AMX again").
 
 `Siblings` joins runs of consecutive projections packed alike (the same kernel, the same GGML
 type for the block kernel or one int4 pack each, the same inputs, no bias) along their output
@@ -12,7 +13,7 @@ features: the block kernel's blocks (one row of blocks per feature) and the int4
 weights (one row per feature) are laid end to end in one buffer, and each `PackedLinear` keeps a
 view of its own rows, so those bytes are not held twice. The int4 kernel's scales and zeros
 ([groups, features, 2] bfloat16) are copied for the joined call: its kernel reads a strided view
-wrongly, so each projection keeps its own (72 bytes a feature at 576 inputs: 6.6 MiB for the
+wrongly, so each projection keeps its own (72 bytes a feature at 576 inputs: 6.3 MiB for the
 default model's gate and up). Every output feature is computed alone by either kernel, in the
 same order of blocks, so each projection's slice of the joined product equals its own call to
 the bit (tests; the lean step's load-time check compares logits to the bit too).
@@ -22,10 +23,11 @@ not join, each runs as its own module. A change to any of them (an edit unpacks 
 width changes) is seen at the next call, which joins them again.
 """
 
+from functools import partial
+
 import torch
 
-from inference_app.engine import block_kernel
-from inference_app.engine.quantized import GROUP, PackedLinear
+from inference_app.engine.quantized import PackedLinear, packed_product
 
 
 class Siblings:
@@ -37,22 +39,23 @@ class Siblings:
         self.widths = [p.out_features for p in self.projections]
         self._packed = all(isinstance(p, PackedLinear) for p in self.projections) and len(self.projections) > 1
         self._seen = None  # each projection's packed form when `_join` last looked
-        # Runs of consecutive projections packed alike: (projections, joined call or None, rows it takes).
-        self._runs = [(self.projections, None, 0)]
+        # Runs of consecutive projections packed alike: (projections, their widths, the joined call
+        # or None, the rows it takes).
+        self._runs = [(self.projections, self.widths, None, 0)]
 
     @property
     def joined(self):
         """Whether any of them run as one call at their packed widths (as of the last call)."""
-        return any(kernel is not None for _, kernel, _ in self._runs)
+        return any(kernel is not None for _, _, kernel, _ in self._runs)
 
     def __call__(self, x):
         if self._packed and not self._unchanged():
             self._join()
         rows = x.numel() // self.projections[0].in_features
         outputs = []
-        for projections, kernel, max_rows in self._runs:
+        for projections, widths, kernel, max_rows in self._runs:
             if kernel is not None and rows <= max_rows:
-                outputs.extend(_joined(kernel, x, rows).split([p.out_features for p in projections], -1))
+                outputs.extend(_joined(kernel, x, rows).split(widths, -1))
             else:
                 outputs.extend(projection(x) for projection in projections)
         return tuple(outputs)
@@ -62,7 +65,7 @@ class Siblings:
         where they do not all run as one (packed differently, or more rows than a packed width)."""
         if self._packed and not self._unchanged():
             self._join()
-        [(_, kernel, max_rows), *others] = self._runs
+        [(_, _, kernel, max_rows), *others] = self._runs
         rows = x.numel() // self.projections[0].in_features
         if others or kernel is None or rows > max_rows:
             return None
@@ -84,7 +87,7 @@ class Siblings:
                 runs[-1].append(projection)
             else:
                 runs.append([projection])
-        self._runs = [(tuple(run), self._join_run(run) if len(run) > 1 else None,
+        self._runs = [(tuple(run), [p.out_features for p in run], self._join_run(run) if len(run) > 1 else None,
                        min(float("inf") if p.max_rows is None else p.max_rows for p in run)) for run in runs]
         self._seen = self._state()
 
@@ -97,13 +100,12 @@ class Siblings:
             joined = torch.cat([p.blocks[1] for p in run])
             for projection, rows in zip(run, joined.split(widths)):
                 projection.blocks = (kind, rows)
-            return lambda x: block_kernel.block_mm(x, joined, kind)
+            return partial(packed_product, blocks=(kind, joined), packs=None)
         joined = torch.cat([p.packs[0][0] for p in run])
         scales = torch.cat([p.packs[0][1] for p in run], dim=1)
         for projection, rows in zip(run, joined.split(widths)):
             projection.packs = [(rows, projection.packs[0][1])]
-        return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16).contiguous(), joined, GROUP, scales)
+        return partial(packed_product, blocks=None, packs=[(joined, scales)])
 
 
 def _joined(kernel, x, rows):

@@ -108,7 +108,7 @@ def load_model(source, device=None, dtype=None, weights=None):
             packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
             form = packing.label
     log.info("loaded %s in %.1f s (%s, %s weights, %s attention%s, chat template: %s)", source.model_id,
-             time.monotonic() - started, str(dtype).removeprefix("torch."), form, attends,
+             time.monotonic() - started, attention.dtype_name(dtype), form, attends,
              f" ({why})" if why else "", template.origin)
     return LoadedModel(source, model, tokenizer, device, dtype, revision, template, form)
 

@@ -233,14 +233,8 @@ class PackedLinear(torch.nn.Module):
         self.blocks = None
 
     def kernel(self, x):
-        """The packed product of `x` [rows, in]: the block kernel's float32; else the int4
-        kernel's own bfloat16 output for one pack, the halves summed in float32 for two (Q8_0)."""
-        if self.blocks is not None:
-            return block_kernel.block_mm(x, self.blocks[1], self.blocks[0])
-        x = x.to(torch.bfloat16).contiguous()
-        parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
-                 for packed, scales_and_zeros in self.packs]
-        return parts[0] if len(parts) == 1 else sum(part.float() for part in parts)
+        """The packed product of `x` [rows, in] (`packed_product`)."""
+        return packed_product(x, self.blocks, self.packs)
 
     def forward(self, x):
         rows = x.numel() // self.in_features
@@ -253,6 +247,18 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}, max_rows={self.max_rows}"
+
+
+def packed_product(x, blocks, packs):
+    """`x` [rows, in] times packed weights: with `blocks` ((GGML type, [out, bytes a row] uint8)),
+    the block kernel's float32; else the int4 kernel's own bfloat16 output for one of `packs`,
+    the halves summed in float32 for two (Q8_0)."""
+    if blocks is not None:
+        return block_kernel.block_mm(x, blocks[1], blocks[0])
+    x = x.to(torch.bfloat16).contiguous()
+    parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
+             for packed, scales_and_zeros in packs]
+    return parts[0] if len(parts) == 1 else sum(part.float() for part in parts)
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from django.conf import settings
 
 from inference_app import chat_templates
-from inference_app.engine import compiled, decoding, lean_step, quantized
+from inference_app.engine import attention, compiled, decoding, lean_step, quantized
 from inference_app.engine.prefix_cache import PrefixCache
 from inference_app.engine.controls import sample
 from inference_app.engine.loader import LoadedModel
@@ -103,7 +103,7 @@ class ResidentModel:
 
     @property
     def dtype_name(self):
-        return str(self.dtype).removeprefix("torch.")
+        return attention.dtype_name(self.dtype)
 
     # --- text <-> tokens ---
 
