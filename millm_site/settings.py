@@ -147,6 +147,11 @@ MILLM_DEVICE = envstr("MILLM_DEVICE", "auto")
 MILLM_DTYPE = envchoice("MILLM_DTYPE", "auto", ["auto", "float32", "bfloat16", "float16"])
 # What a GGUF's Q4_0/Q4_1/Q8_0 projections run from (SPEC 7a, inference_app/engine/quantized.py).
 MILLM_WEIGHTS = envchoice("MILLM_WEIGHTS", "auto", ["auto", "dense", "quantized", "blocks"])
+# Where `auto` keeps the widths it timed at a load, for the next load on this machine
+# (inference_app/engine/timed_widths.py): empty, beside the model's conversion cache; a folder, in
+# it (the tests keep theirs apart: timed while the suite loads both cores, they are not what a
+# server should read).
+MILLM_TIMINGS_DIR = envstr("MILLM_TIMINGS_DIR")
 # `decode`: the scheduler's decode steps run through torch.compile, compiled at load
 # (inference_app/engine/compiled.py); `off` runs every forward pass eagerly.
 MILLM_COMPILE = envchoice("MILLM_COMPILE", "off", ["off", "decode"])

@@ -15,6 +15,12 @@ from tests.model_files import ROOT, SECOND_GGUF, TEST_MODEL_DIR, build_second_gg
 TEST_DTYPE = os.environ.get("MILLM_TEST_DTYPE", "float32")
 os.environ["MILLM_DTYPE"] = TEST_DTYPE
 django_settings.MILLM_DTYPE = TEST_DTYPE
+# `auto`'s timings (timed_widths.py), made while the suite's other worker keeps both cores busy,
+# are kept apart from the ones beside var/model-cache, which the suite shares with `make run`
+# and the bench: a server never reads widths the suite timed.
+TEST_TIMINGS = ROOT / "var" / "test-timings"
+os.environ["MILLM_TIMINGS_DIR"] = str(TEST_TIMINGS)
+django_settings.MILLM_TIMINGS_DIR = str(TEST_TIMINGS)
 
 
 @pytest.fixture(scope="session")

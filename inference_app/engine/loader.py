@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference_app.catalogue import ModelSource
 from inference_app import chat_templates
-from inference_app.engine import attention, gguf_reading, quantized
+from inference_app.engine import attention, gguf_reading, quantized, timed_widths
 from inference_app.engine.cpu import cpu_flags, flags_of  # noqa: F401 (flags_of: the tests' recorded texts)
 from inference_app.models import ModelEntry
 
@@ -105,7 +105,8 @@ def load_model(source, device=None, dtype=None, weights=None):
         attends, why = attention.use_for(model, device, dtype, settings.ENGINE_DECODE_ATTENTION)
         form = "dense"
         if source.format == ModelEntry.Format.GGUF and weights != "dense":
-            packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors")
+            packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors",
+                                     timings=timed_widths.location(folder))
             form = packing.label
     log.info("loaded %s in %.1f s (%s, %s weights, %s attention%s, chat template: %s)", source.model_id,
              time.monotonic() - started, attention.dtype_name(dtype), form, attends,

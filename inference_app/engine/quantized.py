@@ -274,6 +274,7 @@ class Packing:
     forms: dict = None  # (kind, out, in) -> the kernel that runs it packed: "blocks" or "int4"
     blocks_unavailable: str = None  # why the block kernel does not run here, where it was wanted
     timed_before: int = 0  # shapes whose width `auto` read from an earlier load's timing (timed_widths.py)
+    timings: Path = None  # the file those timings are kept in
 
     @property
     def label(self):
@@ -287,7 +288,7 @@ class Packing:
                  f"{self.packed_bytes / 2**20:.1f} MiB packed beside {self.dense_bytes / 2**20:.1f} MiB dense")
         if self.timed_before:
             words += (f"; {self.timed_before} shapes' widths as timed by an earlier load on this machine"
-                      f" ({timed_widths.FILE} in the model's cache; delete it to time again)")
+                      f" ({self.timings}; delete it to time again)")
         if self.blocks_unavailable:
             words += f"; no block kernel: {self.blocks_unavailable}"
         if self.no_kernel:
@@ -425,15 +426,15 @@ def _largest_difference(reference, dense, order, rows=8192):
     return largest
 
 
-def pack(model, path, mode, cache=None):
+def pack(model, path, mode, cache=None, timings=None):
     """Swap the model's linear layers whose file tensors are packable for PackedLinear.
 
     `mode`: "quantized" runs every one packed at every width; "auto" times each shape at
     MEASURED_WIDTHS and runs it packed up to the largest width where the kernel took at most
     CLEAR_WIN of the dense time at that width and every smaller one (dense everywhere when it
     did not at one row). A shape that stays dense has its packs built once, to time them. Where
-    an earlier load on this machine timed a shape (timed_widths.py, beside `cache`), its choice
-    is read, not timed again."""
+    an earlier load on this machine timed a shape (timed_widths.py: the file `timings`, else
+    beside `cache`), its choice is read, not timed again."""
     tensors = file_tensors(path, cache)
     names = gguf_names(model, tensors)
     modules = dict(model.named_modules())
@@ -444,7 +445,9 @@ def pack(model, path, mode, cache=None):
     timed = None
     if mode == "auto":  # the widths an earlier load timed on this machine, where the cache is
         key = timed_widths.machine_key(next(model.parameters()).dtype, [CLEAR_WIN, MEASURED_WIDTHS])
-        timed = timed_widths.TimedWidths(cache.with_name(timed_widths.FILE) if cache is not None else None, key)
+        if timings is None and cache is not None:
+            timings = cache.with_name(timed_widths.FILE)
+        timed = timed_widths.TimedWidths(timings, key)
     # One projection at a time: its halves and blocks are made, checked, packed, and the form not
     # chosen dropped before the next is read (Gemma's Q8_0 head alone is about 420 MB of int4 halves
     # and their scales while it is packed).
@@ -498,7 +501,7 @@ def pack(model, path, mode, cache=None):
     packing = Packing(
         packed=packed, candidates=candidates, widths=widths, no_kernel=no_kernel, forms=forms,
         blocks_unavailable=block_kernel.why_unavailable() if blocks_wanted else None,
-        timed_before=len(timed.reused) if timed is not None else 0,
+        timed_before=len(timed.reused) if timed is not None else 0, timings=timings,
         packed_bytes=sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear)),
         dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )

@@ -3,10 +3,17 @@
 `auto` times each packable shape's kernels against the dense matmul (quantized._packed_width):
 on a 2-core AVX2 EPYC that was 19 s of Gemma 3 270M's 28 s load, at every start, and shapes near
 a tie came out one way in one load and the other way in the next. The choices are written beside
-the model's conversion cache, under a key of everything the timing depended on: the CPU (model
-name and flags), the weights' dtype, torch's version and thread count, the block kernel's build
-flags, the code of both kernels and the rule's constants. A load under the same key reads them
-and times nothing; any change of those times again. Delete the file to time again by hand."""
+the model's conversion cache (or in MILLM_TIMINGS_DIR: `location`), under a key of everything the
+timing depended on: the CPU (model name and flags), the weights' dtype, torch's version and thread
+count, the block kernel's build flags, the code of both kernels and the rule's constants. A load
+under the same key reads them and times nothing; any change of those times again. Delete the file
+to time again by hand.
+
+What the key cannot hold is the machine's load while it timed: the suite loads the default model
+and Gemma while its other worker keeps both cores busy, and their timings, kept beside the cache
+`make run` and the bench share, once moved two of the default model's five shapes from 16 packed
+rows to 2 (its 8-row step 35 ms instead of 31 on the AVX-512 EPYC). The tests keep theirs in a
+folder of their own (tests/conftest.py)."""
 
 import hashlib
 import json
@@ -19,6 +26,17 @@ from inference_app.engine import block_kernel, cpu
 
 FILE = "millm-auto-widths.json"
 VERSION = 1
+
+
+def location(folder):
+    """The file a model converted into `folder` keeps its timings in: beside the conversion,
+    or, under MILLM_TIMINGS_DIR, in that folder under the conversion's name."""
+    from django.conf import settings
+
+    folder = Path(folder)
+    if settings.MILLM_TIMINGS_DIR:
+        return Path(settings.MILLM_TIMINGS_DIR) / f"{folder.name}-{FILE}"
+    return folder / FILE
 
 
 def machine_key(dtype, rule):
@@ -63,6 +81,7 @@ class TimedWidths:
         entries[self.key] = {name: list(choice) for name, choice in sorted(self.recorded.items())}
         staging = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             staging.write_text(json.dumps(entries, indent=1))
             os.replace(staging, self.path)
         except OSError:

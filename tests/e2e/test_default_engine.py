@@ -5,13 +5,17 @@ module is the one that serves what ships. Skipped, naming the flags, where the C
 bfloat16 (`auto` is the float32 reference there, which the rest of the suite runs)."""
 
 import json
+import re
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from inference_app.catalogue import default_model_path, model_source
+from inference_app.engine import timed_widths
 from inference_app.engine.loader import NATIVE_BFLOAT16, cpu_flags
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEST_TIMINGS
 from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import make_client
 from tests.e2e.stack import Stack
@@ -33,8 +37,10 @@ def default(tmp_path_factory):
     (work / "data" / "model-cache").symlink_to(shared)
     settings = {"MILLM_DTYPE": "auto", "MILLM_WEIGHTS": "auto", "MILLM_MODEL_ID": source.model_id,
                 "ENGINE_MAX_SEQUENCES": 4, "BATCH_WAIT_POLL_S": 0.2}
+    started = time.time()
     with Stack.running(work, default_model_path(), **settings) as stack:
         stack.client = make_client(stack.web.url)
+        stack.started = started
         stack.id = source.model_id
         yield stack
 
@@ -49,6 +55,14 @@ def test_the_fingerprint_names_bfloat16_and_packed_weights(default):
     chat = ask(default, CHAT, {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
     assert ":bfloat16/Q4_1+packed:" in chat["system_fingerprint"], chat["system_fingerprint"]
     assert chat["choices"][0]["message"]["content"]
+
+
+def test_the_widths_it_timed_are_kept_with_the_suites_timings_not_beside_the_shared_cache(default):
+    folder = Path(re.search(r"loading \S+ from (\S+) \(", default.engine.log()).group(1))
+    kept = TEST_TIMINGS / f"{folder.name}-{timed_widths.FILE}"
+    assert kept.exists() and json.loads(kept.read_text()), kept  # this engine's, or an earlier run's
+    beside = folder / timed_widths.FILE  # what `make run` and the bench read: not written by the suite
+    assert not beside.exists() or beside.stat().st_mtime < default.started, beside
 
 
 def test_chat_scoring_and_embeddings_answer(default):

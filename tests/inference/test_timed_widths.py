@@ -11,9 +11,9 @@ from inference_app.engine.loader import load_model
 from tests.inference.test_quantized import with_file_values
 
 
-def packed_in_auto(test_model_dir, cache):
+def packed_in_auto(test_model_dir, cache, timings=None):
     model = with_file_values(load_model(model_source(str(test_model_dir)), weights="dense").model, cache)
-    return model, quantized.pack(model, None, "auto", cache=cache)
+    return model, quantized.pack(model, None, "auto", cache=cache, timings=timings)
 
 
 def choices(model):
@@ -61,3 +61,25 @@ def test_a_damaged_file_is_timed_again_and_rewritten(test_model_dir, tmp_path):
     (tmp_path / timed_widths.FILE).write_text("{not json")
     _, packing = packed_in_auto(test_model_dir, cache)
     assert packing.timed_before == 0 and len(json.loads((tmp_path / timed_widths.FILE).read_text())) == 1
+
+
+def test_the_timings_file_is_beside_the_conversion_or_in_MILLM_TIMINGS_DIR(tmp_path):
+    from django.conf import settings
+
+    folder = tmp_path / "model-cache" / "4632b6a29e01"
+    before = settings.MILLM_TIMINGS_DIR
+    try:
+        settings.MILLM_TIMINGS_DIR = None
+        assert timed_widths.location(folder) == folder / timed_widths.FILE
+        settings.MILLM_TIMINGS_DIR = str(tmp_path / "timings")
+        assert timed_widths.location(folder) == tmp_path / "timings" / f"4632b6a29e01-{timed_widths.FILE}"
+    finally:
+        settings.MILLM_TIMINGS_DIR = before
+
+
+def test_timings_kept_elsewhere_are_written_there_alone_and_named_when_read(test_model_dir, tmp_path):
+    cache, timings = tmp_path / "millm-blocks.safetensors", tmp_path / "not-yet" / "timings.json"
+    packed_in_auto(test_model_dir, cache, timings)
+    assert json.loads(timings.read_text()) and not (tmp_path / timed_widths.FILE).exists()
+    _, second = packed_in_auto(test_model_dir, cache, timings)
+    assert second.timed_before == 5 and f"({timings}; delete it to time again)" in second.describe()
