@@ -106,7 +106,7 @@ def load_model(source, device=None, dtype=None, weights=None):
         form = "dense"
         if source.format == ModelEntry.Format.GGUF and weights != "dense":
             packing = quantized.pack(model, source.path, weights, cache=Path(folder) / "millm-blocks.safetensors",
-                                     timings=timed_widths.location(folder))
+                                     timings=timed_widths.location(folder, settings.MILLM_TIMINGS_DIR))
             form = packing.label
     log.info("loaded %s in %.1f s (%s, %s weights, %s attention%s, chat template: %s)", source.model_id,
              time.monotonic() - started, attention.dtype_name(dtype), form, attends,

@@ -446,7 +446,7 @@ def pack(model, path, mode, cache=None, timings=None):
     if mode == "auto":  # the widths an earlier load timed on this machine, where the cache is
         key = timed_widths.machine_key(next(model.parameters()).dtype, [CLEAR_WIN, MEASURED_WIDTHS])
         if timings is None and cache is not None:
-            timings = cache.with_name(timed_widths.FILE)
+            timings = timed_widths.location(cache.parent)
         timed = timed_widths.TimedWidths(timings, key)
     # One projection at a time: its halves and blocks are made, checked, packed, and the form not
     # chosen dropped before the next is read (Gemma's Q8_0 head alone is about 420 MB of int4 halves

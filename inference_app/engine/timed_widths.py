@@ -28,15 +28,11 @@ FILE = "millm-auto-widths.json"
 VERSION = 1
 
 
-def location(folder):
-    """The file a model converted into `folder` keeps its timings in: beside the conversion,
-    or, under MILLM_TIMINGS_DIR, in that folder under the conversion's name."""
-    from django.conf import settings
-
+def location(folder, directory=None):
+    """The file a model converted into `folder` keeps its timings in: beside the conversion, or
+    in `directory` (MILLM_TIMINGS_DIR) under the conversion's name."""
     folder = Path(folder)
-    if settings.MILLM_TIMINGS_DIR:
-        return Path(settings.MILLM_TIMINGS_DIR) / f"{folder.name}-{FILE}"
-    return folder / FILE
+    return Path(directory) / f"{folder.name}-{FILE}" if directory else folder / FILE
 
 
 def machine_key(dtype, rule):

@@ -64,17 +64,10 @@ def test_a_damaged_file_is_timed_again_and_rewritten(test_model_dir, tmp_path):
 
 
 def test_the_timings_file_is_beside_the_conversion_or_in_MILLM_TIMINGS_DIR(tmp_path):
-    from django.conf import settings
-
     folder = tmp_path / "model-cache" / "4632b6a29e01"
-    before = settings.MILLM_TIMINGS_DIR
-    try:
-        settings.MILLM_TIMINGS_DIR = None
-        assert timed_widths.location(folder) == folder / timed_widths.FILE
-        settings.MILLM_TIMINGS_DIR = str(tmp_path / "timings")
-        assert timed_widths.location(folder) == tmp_path / "timings" / f"4632b6a29e01-{timed_widths.FILE}"
-    finally:
-        settings.MILLM_TIMINGS_DIR = before
+    assert timed_widths.location(folder) == timed_widths.location(folder, "") == folder / timed_widths.FILE
+    expected = tmp_path / "timings" / f"4632b6a29e01-{timed_widths.FILE}"
+    assert timed_widths.location(folder, str(tmp_path / "timings")) == expected
 
 
 def test_timings_kept_elsewhere_are_written_there_alone_and_named_when_read(test_model_dir, tmp_path):
