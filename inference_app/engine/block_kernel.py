@@ -1,5 +1,6 @@
 """A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
-(kernels/block_dot.cpp): the activations rounded to int8 per block of 32, the weight's integers
+(kernels/block_dot.cpp), but for the activations' rounding: to 16 bits per block of 32 (two
+int8 each, the value and its remainder, where llama.cpp rounds to one), the weight's integers
 met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it; the K-quants'
 sub-blocks two at a time where it has AVX-512's byte forms too). It reads the
 file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two

@@ -1,6 +1,6 @@
 """The block kernel (block_kernel.py): a GGUF tensor's own blocks times activations rounded to
-int8 per block of 32, llama.cpp's arithmetic, on blocks gguf-py quantized and on the packaged
-GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto` choosing it; a CPU without it says why."""
+16 bits per block of 32 (two int8 each: llama.cpp's arithmetic, but for its one int8), on blocks
+gguf-py quantized and on the packaged GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto` choosing it; a CPU without it says why."""
 
 from pathlib import Path
 
@@ -33,18 +33,21 @@ def gguf_values(kind, blocks):
     return torch.from_numpy(quants.dequantize(blocks, kind)).double().reshape(blocks.shape[0], -1)
 
 
-def llama_cpp_product(x, blocks, kind):
-    """What the kernel computes: x rounded per block of 32 to d_x·q_x, in float32 as the kernel
-    (and llama.cpp) rounds it (d_x = max|x| / 127, q_x = x · (1 / d_x) rounded half to even;
-    float64 here would round a near-tie the other way), times gguf's de-quantized weight in
-    float64, and for a kind with a minimum (w = a·q + m) the minimum times the exact x instead
-    of the rounded one."""
+def kernel_product(x, blocks, kind):
+    """What the kernel computes: x rounded per block of 32 to d·(256 q + r), in float32 as the
+    kernel rounds it (d = max|x| / 127, q = x · (1 / d) rounded half to even, as llama.cpp rounds
+    to int8, float64 here would round a near-tie the other way; r = (x - q·d) · (256 / d)
+    rounded, within ±127), times gguf's de-quantized weight in float64, and for a kind with a
+    minimum (w = a·q + m) the minimum times the exact x instead of the rounded one."""
     weight = gguf_values(kind, blocks)
     rows, columns = x.shape
     grouped = x.float().reshape(rows, columns // 32, 32)
     scale = grouped.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, 0)
-    rounded = (torch.round(grouped * inverse).double() * scale.double()).reshape(rows, columns)
+    q = torch.round(grouped * inverse)
+    rest = (grouped.double() - q.double() * scale.double()).float()  # x - q·d, one rounding (a fused multiply-add)
+    r = torch.round(rest * (256 * inverse)).clamp(-127, 127)
+    rounded = ((256 * q.double() + r.double()) * (scale.double() / 256)).reshape(rows, columns)
     product = rounded @ weight.t()
     if kind in MINIMUM_BYTES:
         shape = blocks.shape
@@ -55,19 +58,20 @@ def llama_cpp_product(x, blocks, kind):
     return product
 
 
-def within_int8_rounding(out, x, weight):
-    """|out - x·wᵀ| within what rounding x to int8 per block can move it: each activation by at
-    most half its block's step max|x| / 127, so each product by those half-steps times |w|."""
+def within_activation_rounding(out, x, weight):
+    """|out - x·wᵀ| within what rounding x to 16 bits per block can move it: each activation by
+    at most half its block's step max|x| / 127 / 256 (rounded to int8 once, as llama.cpp does,
+    256 times that: this fails), so each product by those half-steps times |w|."""
     x, weight = x.double(), weight.double()
     rows = x.shape[0]
-    steps = (x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(rows, -1)
+    steps = (x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127 / 256).expand(-1, -1, 32).reshape(rows, -1)
     return bool(((out.double() - x @ weight.t()).abs() <= (steps / 2) @ weight.abs().t() + 1e-4).all())
 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 17])  # 17: four tiles of four rows and one row alone
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
-def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(kind, rows):
+def test_the_block_kernel_computes_on_the_files_own_bytes_with_16_bit_activations(kind, rows):
     generator = np.random.default_rng(11)
     # An odd count of 32-weight blocks for the kinds that have them (the K-quants: 256 a block).
     columns = 512 if kind in UNQUANTIZABLE else 544
@@ -79,11 +83,11 @@ def test_the_block_kernel_computes_llama_cpps_arithmetic_on_the_files_own_bytes(
     x[0, :32] = 0  # an all-zero block of activations (scale 0)
     out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
-    expected = llama_cpp_product(x, blocks, kind)
+    expected = kernel_product(x, blocks, kind)
     # The same arithmetic to float32's rounding of the sums ...
     assert float((out.double() - expected).abs().max()) <= 1e-5 * float(expected.abs().max())
-    # ... and the exact product to the int8 rounding of the activations.
-    assert within_int8_rounding(out, x, gguf_values(kind, blocks))
+    # ... and the exact product to the 16-bit rounding of the activations.
+    assert within_activation_rounding(out, x, gguf_values(kind, blocks))
     # A bfloat16 activation is read as the same value in float32.
     x16 = x.to(torch.bfloat16)
     assert torch.equal(block_kernel.block_mm(x16, torch.from_numpy(blocks), kind),
@@ -108,7 +112,7 @@ def test_blocks_runs_every_projection_of_the_tiny_model_on_the_block_kernel(tiny
     assert all(module.form == "blocks" and not module.packs for module in quantized.packed_modules(model))
     assert "(blocks kernel)" in packing.describe() and "no block kernel" not in packing.describe()
     assert ResidentModel(loaded).fingerprint.endswith("+packed:transformers")
-    # llama.cpp's arithmetic on the same 4-bit values: close to the dense pass, not equal to it.
+    # The same 4-bit values, the activations rounded to 16 bits: close to the dense pass, not equal to it.
     assert not torch.equal(dense, packed)
     assert float((dense - packed).abs().max()) < 0.05 * float(dense.abs().max())
     # An edited projection runs dense from then on, its blocks dropped.
@@ -128,7 +132,7 @@ def test_the_packaged_ggufs_blocks_run_on_the_block_kernel_and_answer(default_so
                    loaded.model.model.layers[29].mlp.down_proj, head):
         x = torch.randn(3, module.in_features)
         with torch.inference_mode():
-            assert within_int8_rounding(module(x), x, module.weight), module
+            assert within_activation_rounding(module(x), x, module.weight), module
     from inference_app.engine import services
     from inference_app.schemas import parse_request
 
@@ -157,7 +161,7 @@ def test_every_projection_of_the_k_quant_gemma_runs_on_the_block_kernel_q6_k_inc
     for module in (q6_k[0], model.model.layers[0].self_attn.o_proj, model.lm_head):  # Q6_K, Q4_K, Q8_0
         x = torch.randn(3, module.in_features)
         with torch.inference_mode():
-            assert within_int8_rounding(module(x), x, module.weight), module
+            assert within_activation_rounding(module(x), x, module.weight), module
     assert ResidentModel(loaded).fingerprint.endswith("/Q4_K_M+packed:transformers")
 
 

@@ -1,8 +1,13 @@
-// A GGUF tensor's own blocks times activations, the way llama.cpp's CPU backend computes it:
-// each activation row is quantized to int8 per block of 32 (a scale d_x = max|x| / 127, and the
-// block's sum), and each weight block's integers meet the activation's integers in AVX2's
-// u8 x s8 multiply-add (`maddubs`), one float multiply-add per block. The weight is read once,
-// in the file's bytes, at any number of activation rows (the rows loop inside the block loop).
+// A GGUF tensor's own blocks times activations, the way llama.cpp's CPU backend computes it
+// (each weight block's integers meet the activation's integers in AVX2's u8 x s8 multiply-add,
+// `maddubs`, one float multiply-add per block), except that each activation is rounded to a
+// 16-bit integer where llama.cpp rounds it to int8: per block of 32, d_x = max|x| / 127 / 256,
+// x ~ d_x (256 q + r) with q = x / (256 d_x) rounded and r the rest rounded, q and r int8, each
+// met alone and the sums joined (256 s_q + s_r). Rounded once to int8, the greedy texts of the
+// default model's generation job kept to the float32 reference's in 9 rows of 256 (the int4
+// kernel's bfloat16 activations 36, llama.cpp 6 of 64); twice, 59 (bench/FINDINGS.md), at
+// 1.0-1.2x the time of a call at one row and 1.2-1.9x at 4-16. The weight is read once, in the
+// file's bytes, at any number of activation rows (the rows loop inside the block loop).
 //
 // Block layouts (ggml's, element j of a 32-weight block is byte j's low nibble for j < 16 and
 // byte j - 16's high nibble otherwise):
@@ -98,13 +103,18 @@ inline __m256i fifth_bits(const uint8_t* p) {
 
 // Sums of u[i] * s[i] (u unsigned 0..255, s signed) over each 4 bytes: lane k holds bytes
 // 4k..4k+3, as 8 floats.
-inline __m256 dot_us(__m256i u, __m256i s) {
+inline __m256i dot_int(__m256i u, __m256i s) {
 #ifdef MILLM_VNNI
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
-  __m256i pairs = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
+}
+
+// The same sums against an activation block's 256 q + r (q and r signed, each summed alone:
+// neither product saturates), as 8 floats.
+inline __m256 dot_us(__m256i u, __m256i q, __m256i r) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot_int(u, q), 8), dot_int(u, r)));
 }
 
 // Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
@@ -118,18 +128,36 @@ inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
   }
 }
 
-// Activations quantized per block: q (int8), d, the sum of q (for an offset weight: Q4_0, Q5_0)
-// and the sum of x (for a minimum: Q4_1).
+// Activations rounded per block to d (256 q + r), q and r int8: d the block's step max|x| / 127
+// over 256, q x rounded to that step times 256, r the rest; the sum of 256 q + r (for an offset
+// weight: Q4_0, Q5_0) and the sum of x (for a minimum: Q4_1).
 struct Activations {
   int64_t rows, blocks;
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, r;
   std::vector<float> d, xsum;
   std::vector<int32_t> qsum;
 };
 
+// 32 int32 (four vectors of 8, each in -127..127) as 32 bytes in order (packs interleave 128-bit
+// lanes; the permute undoes it).
+inline void store_bytes(const __m256i n[4], int8_t* out) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline int32_t lane_sum(const __m256i n[4]) {
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
+
 Activations quantize(const float* x, int64_t rows, int64_t in) {
   Activations a{rows, in / QK};
   a.q.resize(rows * in);
+  a.r.resize(rows * in);
   a.d.resize(rows * a.blocks);
   a.xsum.resize(rows * a.blocks);
   a.qsum.resize(rows * a.blocks);
@@ -147,21 +175,21 @@ Activations quantize(const float* x, int64_t rows, int64_t in) {
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float d = _mm_cvtss_f32(m4) / 127.0f;
-    const __m256 inverse = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
     // Rounded to nearest, ties to even (the default rounding mode, as std::nearbyint), 32 at a
-    // time, and packed to bytes in order (packs interleave 128-bit lanes; the permute undoes it).
-    __m256i n[4];
-    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inverse));
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + i * QK),
-                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    a.d[i] = d;
+    // time: x·(1/d) to q, then what is left, x - q·d (one rounding), times 256/d to r.
+    __m256i n[4], m[4];
+    for (int j = 0; j < 4; ++j) {
+      n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inverse)));
+      const __m256 left = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(n[j]), _mm256_set1_ps(d), v[j]);
+      m[j] = _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps(256.0f * inverse)));
+      m[j] = _mm256_max_epi32(_mm256_min_epi32(m[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    }
+    store_bytes(n, a.q.data() + i * QK);
+    store_bytes(m, a.r.data() + i * QK);
+    a.d[i] = d / 256.0f;
     a.xsum[i] = hsum(sum);
-    a.qsum[i] = _mm_cvtsi128_si32(t);
+    a.qsum[i] = 256 * lane_sum(n) + lane_sum(m);
   }
   return a;
 }
@@ -188,15 +216,18 @@ inline __m512i join(__m256i low, __m256i high) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
-// Sums of u[i] * s[i] over each 4 bytes, as 16 floats.
-inline __m512 dot_us(__m512i u, __m512i s) {
-  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
+// Sums of u[i] * (256 q[i] + r[i]) over each 4 bytes, as 16 floats.
+inline __m512 dot_us(__m512i u, __m512i q, __m512i r) {
+  const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q), 8);
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(high, u, r));
 }
 
-// Signed weights qw against signed activations qa: |qw| (unsigned) times qa with qw's sign.
-inline __m512 dot_signed(__m512i qw, __m512i qa) {
-  const __m512i flipped = _mm512_mask_sub_epi8(qa, _mm512_movepi8_mask(qw), _mm512_setzero_si512(), qa);
-  return dot_us(_mm512_abs_epi8(qw), flipped);
+// Signed weights qw against signed activations 256 qa + ra: |qw| (unsigned) times each with qw's sign.
+inline __m512 dot_signed(__m512i qw, __m512i qa, __m512i ra) {
+  const __mmask64 negative = _mm512_movepi8_mask(qw);
+  const __m512i zero = _mm512_setzero_si512();
+  return dot_us(_mm512_abs_epi8(qw), _mm512_mask_sub_epi8(qa, negative, zero, qa),
+                _mm512_mask_sub_epi8(ra, negative, zero, ra));
 }
 #endif
 
@@ -211,6 +242,7 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
     extra[r] = 0.0f;
   }
   const int8_t* q = a.q.data() + r0 * a.blocks * QK;
+  const int8_t* rest = a.r.data() + r0 * a.blocks * QK;
   const float* dx = a.d.data() + r0 * a.blocks;
   for (int64_t b = 0; b < a.blocks; ++b, w += bytes_of(KIND)) {
     const float d = fp16(w);
@@ -224,9 +256,13 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * a.blocks + b;
       __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
-      if constexpr (KIND == Q8_0) qa = _mm256_sign_epi8(qa, qw);
+      __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK));
+      if constexpr (KIND == Q8_0) {
+        qa = _mm256_sign_epi8(qa, qw);
+        ra = _mm256_sign_epi8(ra, qw);
+      }
       const float scale = d * dx[i];
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot_us(magnitude, qa), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot_us(magnitude, qa, ra), acc[r]);
       if constexpr (KIND == Q4_0) extra[r] -= 8.0f * scale * static_cast<float>(a.qsum[r0 * a.blocks + i]);
       if constexpr (KIND == Q5_0) extra[r] -= 16.0f * scale * static_cast<float>(a.qsum[r0 * a.blocks + i]);
       if constexpr (KIND == Q4_1) extra[r] += fp16(w + 2) * a.xsum[r0 * a.blocks + i];
@@ -248,6 +284,7 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
   for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
 #endif
   const int8_t* q = a.q.data() + r0 * a.blocks * QK;
+  const int8_t* rest = a.r.data() + r0 * a.blocks * QK;
   const float* dx = a.d.data() + r0 * a.blocks;
   const float* xsum = a.xsum.data() + r0 * a.blocks;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -279,8 +316,8 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
           const int64_t block = b0 + 4 * half + g;
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * a.blocks + block;
-            const __m512i qa = _mm512_loadu_si512(q + i * QK);
-            wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, pair_of(dx + i)), dot_signed(qw, qa), wide[r]);
+            const __m512i qa = _mm512_loadu_si512(q + i * QK), ra = _mm512_loadu_si512(rest + i * QK);
+            wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, pair_of(dx + i)), dot_signed(qw, qa, ra), wide[r]);
           }
         }
 #else
@@ -293,9 +330,9 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
           const int64_t block = b0 + 4 * half + g;
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * a.blocks + block;
-            __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
-            qa = _mm256_sign_epi8(qa, qw);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(dx[i])), dot_us(magnitude, qa), acc[r]);
+            const __m256i qa = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK)), qw);
+            const __m256i ra = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK)), qw);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(dx[i])), dot_us(magnitude, qa, ra), acc[r]);
           }
         }
 #endif
@@ -333,8 +370,8 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
         const __m512 sc = pair_lanes(_mm_setr_ps(scales[2 * c], scales[2 * c + 1], 0.0f, 0.0f));
         for (int r = 0; r < R; ++r) {
           const int64_t i = r * a.blocks + b0 + 2 * c;
-          const __m512i qa = _mm512_loadu_si512(q + i * QK);
-          wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, pair_of(dx + i)), dot_us(qw, qa), wide[r]);
+          const __m512i qa = _mm512_loadu_si512(q + i * QK), ra = _mm512_loadu_si512(rest + i * QK);
+          wide[r] = _mm512_fmadd_ps(_mm512_mul_ps(sc, pair_of(dx + i)), dot_us(qw, qa, ra), wide[r]);
         }
       }
 #else
@@ -351,7 +388,8 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * a.blocks + b0 + j;
             const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * dx[i]), dot_us(qw, qa), acc[r]);
+            const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * dx[i]), dot_us(qw, qa, ra), acc[r]);
           }
         }
       }
