@@ -29,8 +29,10 @@
 // saturates at these magnitudes). Where it has AVX-512 (F, BW, DQ, VL) with VNNI, the K-quants
 // meet two sub-blocks of a super-block in one 512-bit `vpdpbusd`, each half of the vector scaled
 // by its own sub-block's scales (MILLM_AVX512): 1.2-1.3x a call at 4-16 rows on an AMD EPYC.
-// The 32-weight kinds keep the 256-bit step there: their pairs' scalar offsets and minimums
-// made them 0.8-0.95x (bench/FINDINGS.md).
+// The 32-weight kinds meet a block's q and r in one 512-bit `vpdpbusd` there, the q half's sums
+// times 256 once at the end (0.9-1.0x the two 256-bit ones for Q4_1, 0.85-0.9x for Q5_0 and
+// Q8_0 at 4-16 rows); pairs of blocks were 0.8-0.95x for them with int8 activations (their
+// pairs' scalar offsets and minimums; bench/FINDINGS.md).
 //
 // Threads: at::parallel_for over output features, torch's own pool (the engine's one model
 // thread sets its size), so no second OpenMP runtime spins beside torch's.
@@ -235,12 +237,15 @@ inline __m512 dot_signed(__m512i qw, __m512i qa, __m512i ra) {
 // registers) and one output feature, whose blocks start at w.
 template <int64_t KIND, int R>
 inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t out_stride, int64_t n) {
+#ifdef MILLM_AVX512
+  __m512 acc[R];  // lanes 0-7 the products of q, 8-15 those of r: one 512-bit vpdpbusd for both
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+#else
   __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+#endif
   float extra[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    extra[r] = 0.0f;
-  }
+  for (int r = 0; r < R; ++r) extra[r] = 0.0f;
   const int8_t* q = a.q.data() + r0 * a.blocks * QK;
   const int8_t* rest = a.r.data() + r0 * a.blocks * QK;
   const float* dx = a.d.data() + r0 * a.blocks;
@@ -253,22 +258,42 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
     if constexpr (KIND == Q8_0) qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
     __m256i magnitude = qw;
     if constexpr (KIND == Q8_0) magnitude = _mm256_sign_epi8(qw, qw);
+#ifdef MILLM_AVX512
+    const __m512i magnitudes = _mm512_broadcast_i64x4(magnitude);
+    __mmask64 negative = 0;
+    if constexpr (KIND == Q8_0) negative = _mm512_movepi8_mask(_mm512_broadcast_i64x4(qw));
+#endif
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * a.blocks + b;
+      const float scale = d * dx[i];
+#ifdef MILLM_AVX512
+      __m512i both = join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK)));
+      if constexpr (KIND == Q8_0) both = _mm512_mask_sub_epi8(both, negative, _mm512_setzero_si512(), both);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale),
+                               _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitudes, both)), acc[r]);
+#else
       __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
       __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK));
       if constexpr (KIND == Q8_0) {
         qa = _mm256_sign_epi8(qa, qw);
         ra = _mm256_sign_epi8(ra, qw);
       }
-      const float scale = d * dx[i];
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot_us(magnitude, qa, ra), acc[r]);
+#endif
       if constexpr (KIND == Q4_0) extra[r] -= 8.0f * scale * static_cast<float>(a.qsum[r0 * a.blocks + i]);
       if constexpr (KIND == Q5_0) extra[r] -= 16.0f * scale * static_cast<float>(a.qsum[r0 * a.blocks + i]);
       if constexpr (KIND == Q4_1) extra[r] += fp16(w + 2) * a.xsum[r0 * a.blocks + i];
     }
   }
+#ifdef MILLM_AVX512
+  for (int r = 0; r < R; ++r) {
+    out[(r0 + r) * out_stride + n] = 256.0f * hsum(_mm512_castps512_ps256(acc[r])) +
+                                     hsum(_mm512_extractf32x8_ps(acc[r], 1)) + extra[r];
+  }
+#else
   for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = hsum(acc[r]) + extra[r];
+#endif
 }
 
 // The K-quants' tile: each super-block's 8 sub-blocks, each against one activation block.
