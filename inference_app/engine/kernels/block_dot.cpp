@@ -6,7 +6,8 @@
 // met alone and the sums joined (256 s_q + s_r). Rounded once to int8, the greedy texts of the
 // default model's generation job kept to the float32 reference's in 9 rows of 256 (the int4
 // kernel's bfloat16 activations 36, llama.cpp 6 of 64); twice, 59 (bench/FINDINGS.md), at
-// 1.0-1.2x the time of a call at one row and 1.2-1.9x at 4-16. The weight is read once, in the
+// about the time of a call at one row and 1.2-1.4x at 4-16 (the 512-bit build; 256-bit steps
+// 1.2-1.9x). The weight is read once, in the
 // file's bytes, at any number of activation rows (the rows loop inside the block loop).
 //
 // Block layouts (ggml's, element j of a 32-weight block is byte j's low nibble for j < 16 and
@@ -104,7 +105,7 @@ inline __m256i fifth_bits(const uint8_t* p) {
 }
 
 // Sums of u[i] * s[i] (u unsigned 0..255, s signed) over each 4 bytes: lane k holds bytes
-// 4k..4k+3, as 8 floats.
+// 4k..4k+3, as 8 int32.
 inline __m256i dot_int(__m256i u, __m256i s) {
 #ifdef MILLM_VNNI
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
