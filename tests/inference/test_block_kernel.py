@@ -1,6 +1,7 @@
 """The block kernel (block_kernel.py): a GGUF tensor's own blocks times activations rounded to
 16 bits per block of 32 (two int8 each: llama.cpp's arithmetic, but for its one int8), on blocks
-gguf-py quantized and on the packaged GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto` choosing it; a CPU without it says why."""
+gguf-py quantized and on the packaged GGUF's own tensors; `MILLM_WEIGHTS=blocks` and `auto`
+choosing it; a CPU without it says why."""
 
 from pathlib import Path
 
