@@ -6,8 +6,8 @@
 // met alone and the sums joined (256 s_q + s_r). Rounded once to int8, the greedy texts of the
 // default model's generation job kept to the float32 reference's in 9 rows of 256 (the int4
 // kernel's bfloat16 activations 36, llama.cpp 6 of 64); twice, 59 (bench/FINDINGS.md), at
-// about the time of a call at one row and 1.2-1.4x at 4-16 (the 512-bit build; 256-bit steps
-// 1.2-1.9x). The weight is read once, in the
+// about the time of a call at one row and 1.0-1.4x at 4-16 (the 512-bit build; 256-bit steps
+// 1.1-1.9x). The weight is read once, in the
 // file's bytes, at any number of activation rows (the rows loop inside the block loop).
 //
 // Block layouts (ggml's, element j of a 32-weight block is byte j's low nibble for j < 16 and
@@ -31,7 +31,7 @@
 // meet two sub-blocks of a super-block in one 512-bit `vpdpbusd`, each half of the vector scaled
 // by its own sub-block's scales (MILLM_AVX512): 1.2-1.3x a call at 4-16 rows on an AMD EPYC.
 // The 32-weight kinds meet a block's q and r in one 512-bit `vpdpbusd` there, the q half's sums
-// times 256 once at the end (0.9-1.0x the two 256-bit ones for Q4_1, 0.85-0.9x for Q5_0 and
+// times 256 once at the end (0.93-1.02x the two 256-bit ones for Q4_1, 0.87-0.95x for Q5_0 and
 // Q8_0 at 4-16 rows); pairs of blocks were 0.8-0.95x for them with int8 activations (their
 // pairs' scalar offsets and minimums; bench/FINDINGS.md).
 //
