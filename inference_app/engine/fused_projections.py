@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from inference_app.engine.quantized import PackedLinear, packed_product
+from inference_app.engine.quantized import PackedLinear, as_dtype, packed_product
 
 
 class Siblings:
@@ -55,7 +55,7 @@ class Siblings:
         outputs = []
         for projections, widths, kernel, max_rows in self._runs:
             if kernel is not None and rows <= max_rows:
-                outputs.extend(_joined(kernel, x, rows).split(widths, -1))
+                outputs.extend(as_dtype(kernel(x), x.dtype).split(widths, -1))
             else:
                 outputs.extend(projection(x) for projection in projections)
         return tuple(outputs)
@@ -69,7 +69,7 @@ class Siblings:
         rows = x.numel() // self.projections[0].in_features
         if others or kernel is None or rows > max_rows:
             return None
-        return _joined(kernel, x, rows)
+        return as_dtype(kernel(x), x.dtype)
 
     def _state(self):
         return [(p.blocks, p.packs, p.max_rows) for p in self.projections]
@@ -106,10 +106,6 @@ class Siblings:
         for projection, rows in zip(run, joined.split(widths)):
             projection.packs = [(rows, projection.packs[0][1])]
         return partial(packed_product, blocks=None, packs=[(joined, scales)])
-
-
-def _joined(kernel, x, rows):
-    return kernel(x.reshape(rows, x.shape[-1])).to(x.dtype).view(*x.shape[:-1], -1)
 
 
 def _joinable(projection, first):

@@ -233,32 +233,40 @@ class PackedLinear(torch.nn.Module):
         self.blocks = None
 
     def kernel(self, x):
-        """The packed product of `x` [rows, in] (`packed_product`)."""
+        """The packed product of `x` [..., in] (`packed_product`)."""
         return packed_product(x, self.blocks, self.packs)
 
     def forward(self, x):
         rows = x.numel() // self.in_features
         if not self.packed or (self.max_rows is not None and rows > self.max_rows):
             return F.linear(x, self.weight, self.bias)
-        out = self.kernel(x.reshape(rows, self.in_features))
+        out = self.kernel(x)
         if self.bias is not None:
             out = out.float() + self.bias.float()
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return as_dtype(out, x.dtype)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}, max_rows={self.max_rows}"
 
 
 def packed_product(x, blocks, packs):
-    """`x` [rows, in] times packed weights: with `blocks` ((GGML type, [out, bytes a row] uint8)),
-    the block kernel's float32; else the int4 kernel's own bfloat16 output for one of `packs`,
-    the halves summed in float32 for two (Q8_0)."""
+    """`x` [..., in] times packed weights, [..., out]: with `blocks` ((GGML type, [out, bytes a
+    row] uint8)), the block kernel's float32 (it takes and gives the leading dimensions itself);
+    else the int4 kernel's own bfloat16 output for one of `packs`, the halves summed in float32
+    for two (Q8_0)."""
     if blocks is not None:
         return block_kernel.block_mm(x, blocks[1], blocks[0])
-    x = x.to(torch.bfloat16).contiguous()
-    parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_and_zeros)
+    flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_and_zeros)
              for packed, scales_and_zeros in packs]
-    return parts[0] if len(parts) == 1 else sum(part.float() for part in parts)
+    product = parts[0] if len(parts) == 1 else sum(part.float() for part in parts)
+    return product.view(*x.shape[:-1], product.shape[-1])
+
+
+def as_dtype(tensor, dtype):
+    """`tensor` in `dtype`, itself where it is already (a cast that changes nothing still cost a
+    call's worth of time at one row)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 @dataclass

@@ -103,6 +103,17 @@ def test_a_shape_that_does_not_match_its_blocks_is_refused():
 
 
 @needs_kernel
+def test_the_kernel_takes_and_gives_leading_dimensions_as_rows():
+    generator = np.random.default_rng(5)
+    blocks = torch.from_numpy(quants.quantize(generator.normal(size=(24, 64)).astype(np.float32),
+                                              GGMLQuantizationType.Q4_1))
+    x = torch.from_numpy(generator.standard_normal((2, 3, 64), dtype=np.float32))
+    out = block_kernel.block_mm(x, blocks, GGMLQuantizationType.Q4_1)
+    assert out.shape == (2, 3, 24) and out.dtype == torch.float32
+    assert torch.equal(out, block_kernel.block_mm(x.reshape(6, 64), blocks, GGMLQuantizationType.Q4_1).view(2, 3, 24))
+
+
+@needs_kernel
 def test_blocks_runs_every_projection_of_the_tiny_model_on_the_block_kernel(tiny_packed):  # noqa: F811
     loaded, cache = tiny_packed
     model = loaded.model

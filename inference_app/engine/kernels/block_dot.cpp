@@ -35,6 +35,12 @@
 // Q8_0 at 4-16 rows); pairs of blocks were 0.8-0.95x for them with int8 activations (their
 // pairs' scalar offsets and minimums; bench/FINDINGS.md).
 //
+// Where the CPU has AVX2 alone (no VNNI: MILLM_WORDS), an activation is kept as the one 16-bit
+// word 256 q + r and met by the weight's integers widened to words in `madd_epi16` (two a block,
+// the even elements and the odd ones, so each int32 lane sums the same four elements as
+// `maddubs` + `madd` did): the same integer sums, so the same floats, with half the integer work
+// of meeting q and r alone.
+//
 // Threads: at::parallel_for over output features, torch's own pool (the engine's one model
 // thread sets its size), so no second OpenMP runtime spins beside torch's.
 
@@ -46,6 +52,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if !defined(MILLM_VNNI)
+#define MILLM_WORDS 1
+#endif
 
 namespace {
 
@@ -120,6 +130,29 @@ inline __m256 dot_us(__m256i u, __m256i q, __m256i r) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dot_int(u, q), 8), dot_int(u, r)));
 }
 
+#ifdef MILLM_WORDS
+// The weight's 32 integers (bytes, unsigned or `SIGNED`) as two vectors of 16 words: elements
+// 0, 2, ..., 30 and 1, 3, ..., 31, the order an activation block's words are kept in.
+template <bool SIGNED>
+inline void widen(__m256i bytes, __m256i& even, __m256i& odd) {
+  if constexpr (SIGNED) {
+    even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+    odd = _mm256_srai_epi16(bytes, 8);
+  } else {
+    even = _mm256_and_si256(bytes, _mm256_set1_epi16(0xFF));
+    odd = _mm256_srli_epi16(bytes, 8);
+  }
+}
+
+// Sums of w[i] * (256 q[i] + r[i]) over elements 4k..4k+3 in lane k, as 8 floats: `dot_us`'s
+// sums, met as words (no product or pair sum overflows: |w| <= 128, |256 q + r| < 2^15).
+inline __m256 dot_words(__m256i even, __m256i odd, const int16_t* words) {
+  const __m256i e = _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)));
+  const __m256i o = _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 16)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(e, o));
+}
+#endif
+
 // Q4_K's and Q5_K's 6-bit scale and minimum of sub-block j (ggml's get_scale_min_k4).
 inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
   if (j < 4) {
@@ -133,10 +166,12 @@ inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
 
 // Activations rounded per block to d (256 q + r), q and r int8: d the block's step max|x| / 127
 // over 256, q x rounded to that step times 256, r the rest; the sum of 256 q + r (for an offset
-// weight: Q4_0, Q5_0) and the sum of x (for a minimum: Q4_1).
+// weight: Q4_0, Q5_0) and the sum of x (for a minimum: Q4_1). Under MILLM_WORDS each block's
+// 256 q + r as 32 words instead, its even elements then its odd ones (`widen`'s order).
 struct Activations {
   int64_t rows, blocks;
   std::vector<int8_t> q, r;
+  std::vector<int16_t> words;
   std::vector<float> d, xsum;
   std::vector<int32_t> qsum;
 };
@@ -159,8 +194,12 @@ inline int32_t lane_sum(const __m256i n[4]) {
 
 Activations quantize(const float* x, int64_t rows, int64_t in) {
   Activations a{rows, in / QK};
+#ifdef MILLM_WORDS
+  a.words.resize(rows * in);
+#else
   a.q.resize(rows * in);
   a.r.resize(rows * in);
+#endif
   a.d.resize(rows * a.blocks);
   a.xsum.resize(rows * a.blocks);
   a.qsum.resize(rows * a.blocks);
@@ -188,8 +227,20 @@ Activations quantize(const float* x, int64_t rows, int64_t in) {
       m[j] = _mm256_cvtps_epi32(_mm256_mul_ps(left, _mm256_set1_ps(256.0f * inverse)));
       m[j] = _mm256_max_epi32(_mm256_min_epi32(m[j], _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
     }
+#ifdef MILLM_WORDS
+    alignas(32) int32_t whole[QK];
+    for (int j = 0; j < 4; ++j) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(whole + 8 * j), _mm256_add_epi32(_mm256_slli_epi32(n[j], 8), m[j]));
+    }
+    int16_t* words = a.words.data() + i * QK;
+    for (int j = 0; j < QK / 2; ++j) {
+      words[j] = static_cast<int16_t>(whole[2 * j]);
+      words[QK / 2 + j] = static_cast<int16_t>(whole[2 * j + 1]);
+    }
+#else
     store_bytes(n, a.q.data() + i * QK);
     store_bytes(m, a.r.data() + i * QK);
+#endif
     a.d[i] = d / 256.0f;
     a.xsum[i] = hsum(sum);
     a.qsum[i] = 256 * lane_sum(n) + lane_sum(m);
@@ -247,8 +298,12 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
 #endif
   float extra[R];
   for (int r = 0; r < R; ++r) extra[r] = 0.0f;
+#ifdef MILLM_WORDS
+  const int16_t* words = a.words.data() + r0 * a.blocks * QK;
+#else
   const int8_t* q = a.q.data() + r0 * a.blocks * QK;
   const int8_t* rest = a.r.data() + r0 * a.blocks * QK;
+#endif
   const float* dx = a.d.data() + r0 * a.blocks;
   for (int64_t b = 0; b < a.blocks; ++b, w += bytes_of(KIND)) {
     const float d = fp16(w);
@@ -257,8 +312,13 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
     if constexpr (KIND == Q4_1) qw = nibbles(w + 4);
     if constexpr (KIND == Q5_0) qw = _mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2));
     if constexpr (KIND == Q8_0) qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+#ifdef MILLM_WORDS
+    __m256i even, odd;
+    widen<KIND == Q8_0>(qw, even, odd);
+#else
     __m256i magnitude = qw;
     if constexpr (KIND == Q8_0) magnitude = _mm256_sign_epi8(qw, qw);
+#endif
 #ifdef MILLM_AVX512
     const __m512i magnitudes = _mm512_broadcast_i64x4(magnitude);
     __mmask64 negative = 0;
@@ -273,6 +333,8 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
       if constexpr (KIND == Q8_0) both = _mm512_mask_sub_epi8(both, negative, _mm512_setzero_si512(), both);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale),
                                _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitudes, both)), acc[r]);
+#elif defined(MILLM_WORDS)
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot_words(even, odd, words + i * QK), acc[r]);
 #else
       __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
       __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK));
@@ -309,8 +371,12 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
   __m512 wide[R];
   for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
 #endif
+#ifdef MILLM_WORDS
+  const int16_t* words = a.words.data() + r0 * a.blocks * QK;
+#else
   const int8_t* q = a.q.data() + r0 * a.blocks * QK;
   const int8_t* rest = a.r.data() + r0 * a.blocks * QK;
+#endif
   const float* dx = a.d.data() + r0 * a.blocks;
   const float* xsum = a.xsum.data() + r0 * a.blocks;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -349,17 +415,27 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
 #else
         for (int g = 0; g < 4; ++g) {
           const __m256i qw = _mm256_sub_epi8(groups[g], _mm256_set1_epi8(32));  // -32..31
-          const __m256i magnitude = _mm256_sign_epi8(qw, qw);
           // Lanes 0-3 (elements 0-15) take the group's first scale, lanes 4-7 its second.
           const float s0 = d * scales[8 * half + 2 * g], s1 = d * scales[8 * half + 2 * g + 1];
           const __m256 sc = _mm256_set_ps(s1, s1, s1, s1, s0, s0, s0, s0);
           const int64_t block = b0 + 4 * half + g;
+#ifdef MILLM_WORDS
+          __m256i even, odd;
+          widen<true>(qw, even, odd);
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = r * a.blocks + block;
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(dx[i])), dot_words(even, odd, words + i * QK),
+                                     acc[r]);
+          }
+#else
+          const __m256i magnitude = _mm256_sign_epi8(qw, qw);
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * a.blocks + block;
             const __m256i qa = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK)), qw);
             const __m256i ra = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK)), qw);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(sc, _mm256_set1_ps(dx[i])), dot_us(magnitude, qa, ra), acc[r]);
           }
+#endif
         }
 #endif
       }
@@ -411,12 +487,21 @@ inline void tile_k(const uint8_t* w, const Activations& a, int64_t r0, float* ou
             const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
             qw = _mm256_or_si256(qw, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
           }
+#ifdef MILLM_WORDS
+          __m256i even, odd;
+          widen<false>(qw, even, odd);
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = r * a.blocks + b0 + j;
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * dx[i]), dot_words(even, odd, words + i * QK), acc[r]);
+          }
+#else
           for (int r = 0; r < R; ++r) {
             const int64_t i = r * a.blocks + b0 + j;
             const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
             const __m256i ra = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK));
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scales[j] * dx[i]), dot_us(qw, qa, ra), acc[r]);
           }
+#endif
         }
       }
 #endif
@@ -451,17 +536,21 @@ void features(const uint8_t* weight, int64_t row_bytes, const Activations& a, fl
 
 }  // namespace
 
-// x [rows, in] (any float dtype), weight [out, in / 32 * block bytes] uint8: float32 [rows, out].
+// x [..., in] (any float dtype; its leading dimensions are its rows), weight [out, in / 32 * block
+// bytes] uint8: float32 [..., out]. Shaped here, not around the call in Python: at one row a
+// reshape and a cast there were as long again as the call (bench/FINDINGS.md).
 torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& weight, int64_t kind) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "block_mm: shapes");
-  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "block_mm: shapes");
+  const int64_t in = x.size(-1), rows = in > 0 ? x.numel() / in : 0, out = weight.size(0);
   TORCH_CHECK(bytes_of(kind) > 0, "block_dot: no kernel for GGML type ", kind);
   TORCH_CHECK(in % weights_of(kind) == 0 && weight.size(1) == in / weights_of(kind) * bytes_of(kind), "block_mm: ",
               in, " inputs and ", weight.size(1), " bytes a row do not match GGML type ", kind);
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const torch::Tensor w = weight.contiguous();
   const Activations a = quantize(xf.data_ptr<float>(), rows, in);
-  torch::Tensor result = torch::empty({rows, out}, torch::kFloat32);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  torch::Tensor result = torch::empty(shape, torch::kFloat32);
   float* o = result.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
