@@ -1,8 +1,9 @@
 """A GGUF tensor's own blocks times activations, as llama.cpp's CPU backend computes it
 (kernels/block_dot.cpp), but for the activations' rounding: to 16 bits per block of 32 (two
 int8 each, the value and its remainder, where llama.cpp rounds to one), the weight's integers
-met in AVX2's byte multiply-add (AVX-512 VNNI's `vpdpbusd` where the CPU has it; the K-quants'
-sub-blocks two at a time where it has AVX-512's byte forms too). It reads the
+met in AVX-512 VNNI's `vpdpbusd` where the CPU has it (the K-quants' sub-blocks two at a time
+where it has AVX-512's byte forms too), else in AVX2's word multiply-add, each activation one
+16-bit word, the weight's integers widened to words. It reads the
 file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two
 halves; Q6_K, which no int4 kernel takes, 0.82) at any number of rows.
 
