@@ -6,9 +6,9 @@
 // met alone and the sums joined (256 s_q + s_r). Rounded once to int8, the greedy texts of the
 // default model's generation job kept to the float32 reference's in 9 rows of 256 (the int4
 // kernel's bfloat16 activations 36, llama.cpp 6 of 64); twice, 59 (bench/FINDINGS.md), at
-// about the time of a call at one row and 1.0-1.4x at 4-16 (the 512-bit build; 256-bit steps
-// 1.1-1.9x). The weight is read once, in the
-// file's bytes, at any number of activation rows (the rows loop inside the block loop).
+// about the time of a call at one row and 1.0-1.4x at 4-16 (the 512-bit build; the 256-bit ones
+// 1.1-1.9x, before the AVX2 path's words below). The weight is read once, in the file's bytes, at
+// any number of activation rows (the rows loop inside the block loop).
 //
 // Block layouts (ggml's, element j of a 32-weight block is byte j's low nibble for j < 16 and
 // byte j - 16's high nibble otherwise):
@@ -528,8 +528,8 @@ inline void rows_of(const uint8_t* w, const Activations& a, int64_t r0, float* o
 
 // out[r, n] for output features [begin, end) and every activation row r: four rows at a time
 // (each weight block read and unpacked once for them), then the last one to three rows as one
-// tile (as one row each, a 7-row call cost 1.3x an 8-row one). A row's sums are the same in a
-// tile of any size.
+// tile (as one row each, a 7-row call cost 1.06-1.14x an 8-row one on an AVX2 EPYC). A row's sums
+// are the same in a tile of any size.
 template <int64_t KIND>
 void features(const uint8_t* weight, int64_t row_bytes, const Activations& a, float* out, int64_t out_stride,
               int64_t begin, int64_t end) {
