@@ -7,8 +7,11 @@ like the others, and is what quality is measured against.
 Work, each as a rate (higher is better), ratio miServer / llama.cpp:
 - one chat: one greedy chat of --one-chat-tokens, completion tokens per second;
 - 8 chats: 8 concurrent greedy chats of --chat-tokens (bench.concurrency's measure);
-- generation job: --generation-rows greedy chats as one Batch API batch with batched_decoding,
-  against the same requests 16 at a time to a 16-slot llama.cpp; completion tokens per second;
+- generation job: --generation-rows greedy chats as one Batch API batch with batched_decoding
+  and prefix_reuse (the reference: without), against the same requests 16 at a time to a 16-slot
+  llama.cpp, whose prompt cache (its default `cache_prompt`) likewise reuses the part of a slot's
+  last prompt the next one begins with (the chat template's system prompt, "Write a short story
+  about"); completion tokens per second;
 - scoring job: --scoring-rows scoring rows (max_tokens 1, logprobs 5) of 10-60 tokens as one
   batch with pack and pack_window, against 8 at a time to an 8-slot llama.cpp; rows per second;
 - synchronous scoring: the same rows as 8 concurrent synchronous requests to miServer;
@@ -100,7 +103,7 @@ def main(argv=None):
                 settings = REFERENCE_SETTINGS if server == REFERENCE else MODES[server]
                 if args.chat_template:
                     settings = {**settings, "MILLM_CHAT_TEMPLATE": args.chat_template}
-                measured = measure_miserver(args.model, settings, texts, prompts, args)
+                measured = measure_miserver(args.model, settings, texts, prompts, args, reuse=server != REFERENCE)
             for work, (rate, output) in measured.items():
                 rates[server][work].append(rate)
                 if output is not None:
@@ -110,7 +113,8 @@ def main(argv=None):
     quality = {server: compare(outputs[REFERENCE], outputs.get(server, {})) for server in servers if server != REFERENCE}
 
     rows = [("sizes", f"one chat of {args.one_chat_tokens} tokens; 8 chats of {args.chat_tokens}; a "
-                      f"{args.generation_rows}-row generation job of {args.chat_tokens} tokens; {args.scoring_rows} "
+                      f"{args.generation_rows}-row generation job of {args.chat_tokens} tokens (prefix_reuse but in the reference; "
+                      f"llama.cpp's prompt cache on); {args.scoring_rows} "
                       f"scoring rows of 10-60 tokens; {args.embedding_inputs} embedding inputs; {args.repeats} "
                       f"interleaved round(s), medians; {threads} threads each; llama.cpp on {gguf.name}"
                       + (f"; chat template {args.chat_template!r} on both" if args.chat_template else "")
@@ -161,14 +165,14 @@ def check_ratio(figure, ratio, goal):
     return check(figure, f"{ratio:.2f}x", f">= {goal:.1f}x", ratio >= goal)
 
 
-def measure_miserver(model, settings, texts, prompts, args):
+def measure_miserver(model, settings, texts, prompts, args, reuse=False):
     import httpx
 
     from bench.common import stack_or_open
 
     with stack_or_open(model, MAX_PENDING_REQUESTS=64, **settings) as running:
         with httpx.Client(base_url=running.web.url, timeout=3600) as client:
-            return workloads(client, running.model_id, texts, prompts, args, ours=True)
+            return workloads(client, running.model_id, texts, prompts, args, ours=True, reuse=reuse)
 
 
 def measure_llama(gguf, threads, texts, prompts, args):
@@ -188,8 +192,9 @@ def measure_llama(gguf, threads, texts, prompts, args):
     return measured
 
 
-def workloads(client, model_id, texts, prompts, args, ours, only=None):
-    """{work: (rate, outputs or None)} for the work this server is measured on."""
+def workloads(client, model_id, texts, prompts, args, ours, only=None, reuse=False):
+    """{work: (rate, outputs or None)} for the work this server is measured on; `reuse`: the
+    generation job's batch asks for prefix_reuse."""
     from bench.common import CHAT, COMPLETIONS, chat_body, chat_lines, output_rows, scoring_lines, start_batch, wait_batch
     from bench.concurrency import measure
 
@@ -210,8 +215,9 @@ def workloads(client, model_id, texts, prompts, args, ours, only=None):
         bodies = [chat_body(model_id, prompt, args.chat_tokens) for prompt in prompts]
         started = time.perf_counter()
         if ours:
+            reusing = {"prefix_reuse": True} if reuse else {}
             batch = wait_batch(client, start_batch(client, chat_lines(model_id, prompts, args.chat_tokens), CHAT,
-                                                   batched_decoding=True)["id"])
+                                                   batched_decoding=True, **reusing)["id"])
             wall = time.perf_counter() - started
             answers = [row["response"]["body"] for _, row in sorted(output_rows(client, batch).items(), key=_row_order)]
         else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-BLOCK_TOKENS = 16
+BLOCK_TOKENS = 8
 
 _reused = {"tokens": 0}  # this process's prompt tokens served from a held prefix, every model's
 _reused_lock = threading.Lock()
@@ -114,13 +114,16 @@ class PrefixCache:
         """The longest held prefix of `tokens` (at most `upto` tokens, whole blocks), or None."""
         upto = block_floor(len(tokens) if upto is None else min(upto, len(tokens)))
         found = None
+        checked = 0  # how many of `found`'s tokens are compared already: each boundary compares only its block
         with self._lock:
             for end, key in self._chain(tokens, upto):
                 holders = self._boundaries.get(key)
                 entry = holders[-1] if holders else None
-                if entry is None or entry.tokens[:end] != tuple(tokens[:end]):
+                if entry is not (found and found[1]):
+                    checked = 0
+                if entry is None or entry.tokens[checked:end] != tuple(tokens[checked:end]):
                     break  # a later boundary chains from this one: none can match
-                found = (end, entry)
+                found, checked = (end, entry), end
             if found is None:
                 return None
             end, entry = found

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from inference_app.engine.prefix_cache import BLOCK_TOKENS
 from tests.e2e.batch_helpers import line, read_jsonl, start_batch, wait_for
 from tests.e2e.conftest import MODEL_ID, make_client
 from tests.e2e.model_helpers import api, wait_resident
@@ -45,7 +46,7 @@ def test_a_scoring_batch_reuses_its_instruction_in_every_chunk(reusing):
     assert batch["millm"]["prefix_reuse"] is True
     output = {row["custom_id"]: row for row in read_jsonl(client, done.output_file_id)}
     reused = {custom_id: row["response"]["millm"]["prefix_tokens_reused"] for custom_id, row in output.items()}
-    assert all(reused[f"s{i}"] >= 32 and reused[f"s{i}"] % 16 == 0 for i in range(len(texts))), reused
+    assert all(reused[f"s{i}"] >= 32 and reused[f"s{i}"] % BLOCK_TOKENS == 0 for i in range(len(texts))), reused
     assert reused["short"] == 0  # a row shorter than the shared prefix runs whole
     assert batch["usage"]["input_tokens_details"]["cached_tokens"] == sum(reused.values())
     for i, text in enumerate(texts):
@@ -80,7 +81,7 @@ def test_a_generation_batch_and_a_chats_next_turn_begin_from_a_held_prefix(reusi
     second = httpx.post(url + CHAT, json={"model": MODEL_ID, "messages": conversation, "max_tokens": 8,
                                           "temperature": 0}).json()
     held = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert held >= first["usage"]["prompt_tokens"] - 16 - 1 and held % 16 == 0
+    assert held >= first["usage"]["prompt_tokens"] - BLOCK_TOKENS - 1 and held % BLOCK_TOKENS == 0
     # A completion generates seated too: the same long prompt a second time begins from the first's.
     completion = {"model": MODEL_ID, "prompt": INSTRUCTION + "Text: it rained.\nLabel:", "max_tokens": 3,
                   "temperature": 0}

@@ -33,12 +33,12 @@ TEXTS = ["I loved it.", "Terrible service, never again, and the food was cold to
 def test_block_arithmetic():
     assert common_prefix_length([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
     assert common_prefix_length([[5], [6]]) == 0
-    shared = list(range(40))
+    shared = list(range(2 * BLOCK_TOKENS + BLOCK_TOKENS // 2))  # two blocks and a half
     # Each sequence keeps its own last token: a row no longer than the shared part still runs one.
-    assert reusable_length([shared + [1], shared + [2]]) == 32
-    assert reusable_length([shared[:33], shared]) == 32
-    assert reusable_length([shared[:32], shared]) == 16
-    assert reusable_length([shared[:10], shared]) == 0
+    assert reusable_length([shared + [1], shared + [2]]) == 2 * BLOCK_TOKENS
+    assert reusable_length([shared[:2 * BLOCK_TOKENS + 1], shared]) == 2 * BLOCK_TOKENS
+    assert reusable_length([shared[:2 * BLOCK_TOKENS], shared]) == BLOCK_TOKENS
+    assert reusable_length([shared[:BLOCK_TOKENS - 1], shared]) == 0
 
 
 def test_reused_scoring_rows_match_whole_rows_in_float32(resident, cache, settings):
