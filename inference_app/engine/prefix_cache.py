@@ -119,8 +119,8 @@ class PrefixCache:
             for end, key in self._chain(tokens, upto):
                 holders = self._boundaries.get(key)
                 entry = holders[-1] if holders else None
-                if entry is not (found and found[1]):
-                    checked = 0
+                if found is None or entry is not found[1]:
+                    checked = 0  # another holder from here on: compare its tokens from the first
                 if entry is None or entry.tokens[checked:end] != tuple(tokens[checked:end]):
                     break  # a later boundary chains from this one: none can match
                 found, checked = (end, entry), end

@@ -148,6 +148,22 @@ def test_a_prefix_stays_found_when_a_longer_one_through_its_blocks_is_dropped(re
     assert len(cache.longest(short + [9]).tokens) == BLOCK_TOKENS
 
 
+
+def test_a_boundary_key_that_collides_is_caught_by_its_tokens():
+    """A hash is not proof: a boundary key pointing at an entry whose tokens differ there serves
+    only the blocks before it, and a colliding first block serves nothing."""
+    layer = torch.zeros(1, 1, 2 * BLOCK_TOKENS, 1)
+    cache = PrefixCache(1 << 20)
+    held = cache.put(list(range(2 * BLOCK_TOKENS)), [(layer, layer)])
+    same_first = list(range(BLOCK_TOKENS)) + [99] * BLOCK_TOKENS + [1]
+    other_first = [99] * (2 * BLOCK_TOKENS) + [1]
+    for prompt in (same_first, other_first):  # the held entry answers at every one of their boundaries
+        for _, key in cache._chain(prompt, 2 * BLOCK_TOKENS):
+            cache._boundaries.setdefault(key, []).append(held)
+    assert len(cache.longest(same_first).tokens) == BLOCK_TOKENS
+    assert cache.longest(other_first) is None
+    assert cache.longest(list(range(2 * BLOCK_TOKENS)) + [1]) is held
+
 def test_a_batchs_prefixes_leave_when_it_ends_and_others_stay(resident, cache):
     mine, theirs = list(range(1, 1 + BLOCK_TOKENS)), list(range(50, 50 + BLOCK_TOKENS))
     prefix_cache.prefix_for(resident, mine, owner="batch_1")
