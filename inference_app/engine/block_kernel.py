@@ -15,6 +15,12 @@ checkout of the same source shares one build (torch's own keying rebuilt it for 
 its commands naming the checkout's path). Where the CPU lacks AVX2, FMA or
 F16C, or no compiler is found, `extension()` is None and says why; the int4 kernel and the dense
 weights run as before.
+
+Where the CPU has VNNI, the AVX2 words build is a second build (`extension(words=True)`): on a
+2-core AMD EPYC with AVX-512 it ran the Q8_0 head 1.7-1.9x faster than the VNNI build at 4-16
+rows (each 16-bit activation one word there, where VNNI meets its two bytes apart), and it lost
+at other shapes and on other CPUs, so `auto` times both for each shape
+(quantized._choose) and names the one it keeps (`words`).
 """
 
 import functools
@@ -48,10 +54,13 @@ AVX512_CPU = VNNI_CPU | {"avx512f", "avx512bw", "avx512dq"}
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512dq", "-DMILLM_AVX512"]
 
 
-def build_flags(flags=None):
+def build_flags(flags=None, words=False):
     """The compiler's flags for this CPU (`flags`: its /proc/cpuinfo flags): VNNI's integer dot
-    product where it has it, and the 512-bit pass where it has the rest of AVX-512 too. The
-    build's folder is named by them, so a machine without them never loads a build that has them."""
+    product where it has it, and the 512-bit pass where it has the rest of AVX-512 too; AVX2's
+    alone for the `words` build. The build's folder is named by them, so a machine without them
+    never loads a build that has them."""
+    if words:
+        return list(BASE_FLAGS)
     flags = cpu.cpu_flags() if flags is None else flags
     return (BASE_FLAGS + (VNNI_FLAGS if VNNI_CPU <= flags else [])
             + (AVX512_FLAGS if AVX512_CPU <= flags else []))
@@ -67,7 +76,7 @@ class Unavailable(Exception):
 
 
 @functools.cache
-def _build():
+def _build(words=False):
     missing = REQUIRED_FLAGS - cpu.cpu_flags()
     if missing:
         raise Unavailable(f"the CPU lacks {', '.join(sorted(missing))}")
@@ -77,13 +86,14 @@ def _build():
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
     started = time.monotonic()
     try:
-        flags = build_flags()
+        flags = build_flags(words=words)
         name, source = _build_source(flags)
         module = load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                       build_directory=str(source.parent), verbose=False)
     except Exception as error:  # a missing compiler or ninja, a failed build: say so, run without it
         raise Unavailable(f"it could not be built ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-    log.info("block kernel%s ready in %.1f s (built once per machine and source)", build_name(flags),
+    log.info("block kernel%s ready in %.1f s (built once per machine and source)",
+             " (AVX2 words)" if words else build_name(flags),
              time.monotonic() - started)
     return module
 
@@ -106,26 +116,32 @@ def _build_source(flags):
     return name, copy
 
 
-def extension():
-    """The compiled module, or None where it cannot run here (`why_unavailable` says why)."""
+def extension(words=False):
+    """The compiled module (`words`: the AVX2 words build), or None where it cannot run here
+    (`why_unavailable` says why)."""
     try:
-        return _build()
+        return _build(words)
     except Unavailable:
         return None
 
 
+def has_words_build():
+    """Whether the words build is a second build here, beside the CPU's own (a VNNI one)."""
+    return extension() is not None and build_flags() != build_flags(words=True) and extension(True) is not None
+
+
 def why_unavailable():
     try:
-        _build()
+        _build(False)
     except Unavailable as reason:
         return str(reason)
     return None
 
 
-def block_mm(x, blocks, kind):
+def block_mm(x, blocks, kind, words=False):
     """x [rows, in] times the tensor whose GGUF blocks are `blocks` ([out, bytes a row] uint8):
-    float32 [rows, out]."""
-    return extension().block_mm(x, blocks, int(kind))
+    float32 [rows, out]; `words`: on the words build."""
+    return extension(words).block_mm(x, blocks, int(kind))
 
 
 if __name__ == "__main__":  # `python -m inference_app.engine.block_kernel`: build it now (make install)
@@ -134,4 +150,5 @@ if __name__ == "__main__":  # `python -m inference_app.engine.block_kernel`: bui
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "millm_site.settings")
     django.setup()
     reason = why_unavailable()
-    print(f"block kernel: {'built' if reason is None else 'not available: ' + reason}")
+    print(f"block kernel: {'built' if reason is None else 'not available: ' + reason}"
+          f"{' (and its words build)' if reason is None and has_words_build() else ''}")

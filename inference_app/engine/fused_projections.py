@@ -72,13 +72,13 @@ class Siblings:
         return as_dtype(kernel(x), x.dtype)
 
     def _state(self):
-        return [(p.blocks, p.packs, p.max_rows) for p in self.projections]
+        return [(p.blocks, p.packs, p.max_rows, p.words) for p in self.projections]
 
     def _unchanged(self):
         seen = self._seen
         return seen is not None and all(
-            p.blocks is blocks and p.packs is packs and p.max_rows == max_rows
-            for p, (blocks, packs, max_rows) in zip(self.projections, seen))
+            p.blocks is blocks and p.packs is packs and p.max_rows == max_rows and p.words == words
+            for p, (blocks, packs, max_rows, words) in zip(self.projections, seen))
 
     def _join(self):
         runs = []
@@ -100,7 +100,7 @@ class Siblings:
             joined = torch.cat([p.blocks[1] for p in run])
             for projection, rows in zip(run, joined.split(widths)):
                 projection.blocks = (kind, rows)
-            return partial(packed_product, blocks=(kind, joined), packs=None)
+            return partial(packed_product, blocks=(kind, joined), packs=None, words=run[0].words)
         joined = torch.cat([p.packs[0][0] for p in run])
         scales = torch.cat([p.packs[0][1] for p in run], dim=1)
         for projection, rows in zip(run, joined.split(widths)):
@@ -109,10 +109,11 @@ class Siblings:
 
 
 def _joinable(projection, first):
-    """Whether `projection` runs packed the way `first` does (both packed): the same kernel, GGML
-    type or single int4 pack, inputs, and no bias."""
+    """Whether `projection` runs packed the way `first` does (both packed): the same kernel (and
+    block kernel build), GGML type or single int4 pack, inputs, and no bias."""
     if projection.bias is not None or first.bias is not None or projection.in_features != first.in_features:
         return False
     if first.blocks is not None:
-        return projection.blocks is not None and projection.blocks[0] == first.blocks[0]
+        return (projection.blocks is not None and projection.blocks[0] == first.blocks[0]
+                and projection.words == first.words)
     return projection.blocks is None and len(projection.packs) == 1 and len(first.packs) == 1

@@ -198,9 +198,10 @@ def _int4pack(q, rows=8192):
 class PackedLinear(torch.nn.Module):
     """nn.Linear's forward from packed weights at up to `max_rows` rows (None: every width),
     dense above: torch's int4 kernel on int4 halves (`parts`), or the block kernel on the file's
-    own blocks (`blocks`: (GGML type, [out, bytes a row] uint8), block_kernel.py)."""
+    own blocks (`blocks`: (GGML type, [out, bytes a row] uint8), block_kernel.py; `words`: its
+    AVX2 words build)."""
 
-    def __init__(self, linear, parts, max_rows, blocks=None):
+    def __init__(self, linear, parts, max_rows, blocks=None, words=False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties and the state dict are unchanged
@@ -212,6 +213,7 @@ class PackedLinear(torch.nn.Module):
             for part in parts or ()
         ]
         self.blocks = blocks
+        self.words = words
 
     @property
     def packed(self):
@@ -219,8 +221,8 @@ class PackedLinear(torch.nn.Module):
 
     @property
     def form(self):
-        """Which kernel runs it: `blocks` or `int4`."""
-        return "blocks" if self.blocks is not None else "int4"
+        """Which kernel runs it: `blocks`, `words` (the block kernel's words build) or `int4`."""
+        return "int4" if self.blocks is None else "words" if self.words else "blocks"
 
     @property
     def packed_bytes(self):
@@ -234,7 +236,7 @@ class PackedLinear(torch.nn.Module):
 
     def kernel(self, x):
         """The packed product of `x` [..., in] (`packed_product`)."""
-        return packed_product(x, self.blocks, self.packs)
+        return packed_product(x, self.blocks, self.packs, self.words)
 
     def forward(self, x):
         rows = x.numel() // self.in_features
@@ -249,13 +251,13 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}, max_rows={self.max_rows}"
 
 
-def packed_product(x, blocks, packs):
+def packed_product(x, blocks, packs, words=False):
     """`x` [..., in] times packed weights, [..., out]: with `blocks` ((GGML type, [out, bytes a
-    row] uint8)), the block kernel's float32 (it takes and gives the leading dimensions itself);
-    else the int4 kernel's own bfloat16 output for one of `packs`, the halves summed in float32
-    for two (Q8_0)."""
+    row] uint8)), the block kernel's float32 (it takes and gives the leading dimensions itself;
+    `words`: its words build); else the int4 kernel's own bfloat16 output for one of `packs`, the
+    halves summed in float32 for two (Q8_0)."""
     if blocks is not None:
-        return block_kernel.block_mm(x, blocks[1], blocks[0])
+        return block_kernel.block_mm(x, blocks[1], blocks[0], words)
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP, scales_and_zeros)
              for packed, scales_and_zeros in packs]
@@ -279,7 +281,7 @@ class Packing:
     dense_bytes: int
     widths: dict  # (kind, out, in) -> largest width run packed (0: dense)
     no_kernel: dict = None  # type name -> projections of that type, which run dense
-    forms: dict = None  # (kind, out, in) -> the kernel that runs it packed: "blocks" or "int4"
+    forms: dict = None  # (kind, out, in) -> the kernel that runs it packed: "blocks", "words" or "int4"
     blocks_unavailable: str = None  # why the block kernel does not run here, where it was wanted
     timed_before: int = 0  # shapes whose width `auto` read from an earlier load's timing (timed_widths.py)
     timings: Path = None  # the file those timings are kept in
@@ -306,7 +308,7 @@ class Packing:
 
 
 def _width_words(width, form=None):
-    kernel = f" ({form} kernel)" if form else ""
+    kernel = " (blocks kernel, words build)" if form == "words" else f" ({form} kernel)" if form else ""
     if width is None:
         return f"packed at every width{kernel}"
     return "dense" if width == 0 else f"packed up to {width} rows{kernel}"
@@ -488,7 +490,8 @@ def pack(model, path, mode, cache=None, timings=None):
         module = None
         if shape not in widths:
             recorded = timed.get(shape) if timed is not None else None
-            if recorded is not None and (recorded[0] == "blocks" and with_blocks or recorded[0] == "int4" and parts):
+            if recorded is not None and (recorded[0] == "blocks" and with_blocks or recorded[0] == "int4" and parts
+                                         or recorded[0] == "words" and with_blocks and block_kernel.has_words_build()):
                 forms[shape], widths[shape] = recorded
                 timed.reuse(shape)
             else:
@@ -501,8 +504,8 @@ def pack(model, path, mode, cache=None, timings=None):
                 forms.pop(shape)
                 continue
         if module is None:
-            module = (PackedLinear(linear, None, widths[shape], blocks=(kind, rows)) if forms[shape] == "blocks"
-                      else PackedLinear(linear, parts, widths[shape]))
+            module = (PackedLinear(linear, parts, widths[shape]) if forms[shape] == "int4"
+                      else PackedLinear(linear, None, widths[shape], blocks=(kind, rows), words=forms[shape] == "words"))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
         packed += 1
@@ -523,8 +526,11 @@ def _choose(mode, linear, parts, blocks, flush, with_blocks):
     """(kernel, width, module) for a shape: `quantized` the int4 kernel at every width; `blocks`
     the block kernel at every width where its type has one (else the int4 kernel); `auto` each
     kernel timed against the dense matmul (`_packed_width`), the one packed to the larger width
-    kept (at a tie, the faster at one row), width 0 where neither clearly won at one row. The
-    module is the shape's first projection packed in that form (None where none is built)."""
+    kept (at a tie, the faster at one row), width 0 where neither clearly won at one row. Where
+    the block kernel has a words build beside the CPU's own (block_kernel.has_words_build), the
+    two builds are timed and the one packed to the larger width kept first (at a tie, the one
+    whose calls at the measured widths took less time together: they differ most at 8-16 rows).
+    The module is the shape's first projection packed in that form (None where none is built)."""
     if mode == "quantized" or (mode == "blocks" and not with_blocks):
         return "int4", None, None
     if mode == "blocks":
@@ -534,8 +540,7 @@ def _choose(mode, linear, parts, blocks, flush, with_blocks):
         int4 = PackedLinear(linear, parts, None)
         timed["int4"] = (_packed_width(int4, flush), int4)
     if with_blocks:
-        module = PackedLinear(linear, None, None, blocks=blocks)
-        timed["blocks"] = (_packed_width(module, flush), module)
+        timed["blocks"] = _block_builds_timed(linear, blocks, flush)
     if len(timed) == 2 and timed["blocks"][0] == timed["int4"][0] > 0:
         x = torch.randn(1, linear.in_features, dtype=linear.weight.dtype)
         speed = {form: _best_time(lambda m=module: m.kernel(x), 7, flush) for form, (_, module) in timed.items()}
@@ -544,28 +549,41 @@ def _choose(mode, linear, parts, blocks, flush, with_blocks):
         form = max(timed, key=lambda name: timed[name][0])
     width, module = timed[form]
     module.max_rows = width
-    return form, width, module
+    return module.form, width, module
 
 
-@torch.inference_mode()
-def _packed_width(module, flush, repeats=7):
+def _block_builds_timed(linear, blocks, flush):
+    """(width, module) of the block kernel's build packed to the larger width (`_choose`)."""
+    builds = []
+    for words in (False, True) if block_kernel.has_words_build() else (False,):
+        module = PackedLinear(linear, None, None, blocks=blocks, words=words)
+        width, times = _packed_width(module, flush, with_times=True)
+        spent = sum(times[:MEASURED_WIDTHS.index(width) + 1]) if width else 0.0
+        builds.append((width, spent, module))
+    width, _, module = max(builds, key=lambda build: (build[0], -build[1]))  # the widest; at a tie, the quicker
+    return width, module
+
+
+def _packed_width(module, flush, repeats=7, with_times=False):
     """The largest measured width up to which the kernel clearly beat the dense matmul at
     every measured width; 0 when it did not at one row. Each call is timed with the caches
     emptied first, as a decode step meets every weight: the step reads the whole model, so a
     projection's weight is never still cached from its last use. Timed hot, a 2.6 MB dense
     weight ran from the cache and beat the kernel that reads a third of its bytes, so Gemma's
-    feed-forward projections stayed dense (a one-row step 47 ms, 28.5 ms with them packed)."""
-    width = 0
+    feed-forward projections stayed dense (a one-row step 47 ms, 28.5 ms with them packed).
+    `with_times`: (width, the kernel's time at each width measured)."""
+    width, times = 0, []
     if module.weight.numel() * module.weight.element_size() >= flush.bytes:
         flush = None  # the weight alone overflows the caches: every call reads it from memory
     for rows in MEASURED_WIDTHS:
         x = torch.randn(rows, module.in_features, dtype=module.weight.dtype)
         kernel = _best_time(lambda: module.kernel(x).to(x.dtype), repeats, flush)
         dense = _best_time(lambda: F.linear(x, module.weight, module.bias), repeats, flush)
+        times.append(kernel)
         if kernel > dense * CLEAR_WIN:
             break
         width = rows
-    return width
+    return (width, times) if with_times else width
 
 
 def _best_time(function, repeats, before=None):

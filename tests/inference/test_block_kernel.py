@@ -20,6 +20,9 @@ from tests.inference.test_quantized import (CPU, UNQUANTIZABLE, last_logits_befo
 KINDS = sorted(block_kernel.KINDS)
 needs_kernel = pytest.mark.skipif(block_kernel.extension() is None,
                                   reason=f"no block kernel here: {block_kernel.why_unavailable()}")
+# The CPU's own build, and the words build where it is a second one (a CPU with VNNI).
+BUILDS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not block_kernel.has_words_build(), reason="the words build is the only build here"))]
 
 
 # The kinds with a minimum (w = a·q + minimum per block of 32), where the kernel multiplies the
@@ -70,9 +73,10 @@ def within_activation_rounding(out, x, weight):
 
 
 @needs_kernel
+@pytest.mark.parametrize("words", BUILDS, ids=["own", "words"])
 @pytest.mark.parametrize("rows", [1, 2, 7, 17])  # tiles of 1, 2, 4 and 3, 4 x 4 and 1
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
-def test_the_block_kernel_computes_on_the_files_own_bytes_with_16_bit_activations(kind, rows):
+def test_the_block_kernel_computes_on_the_files_own_bytes_with_16_bit_activations(kind, rows, words):
     generator = np.random.default_rng(11)
     # An odd count of 32-weight blocks for the kinds that have them (the K-quants: 256 a block).
     columns = 512 if kind in UNQUANTIZABLE else 544
@@ -82,7 +86,7 @@ def test_the_block_kernel_computes_on_the_files_own_bytes_with_16_bit_activation
         blocks = quants.quantize(generator.normal(size=(80, columns)).astype(np.float32), kind)
     x = torch.from_numpy(generator.standard_normal((rows, columns), dtype=np.float32))
     x[0, :32] = 0  # an all-zero block of activations (scale 0)
-    out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind)
+    out = block_kernel.block_mm(x, torch.from_numpy(blocks), kind, words)
     assert out.dtype == torch.float32 and out.shape == (rows, 80)
     expected = kernel_product(x, blocks, kind)
     # The same arithmetic to float32's rounding of the sums ...
@@ -91,8 +95,8 @@ def test_the_block_kernel_computes_on_the_files_own_bytes_with_16_bit_activation
     assert within_activation_rounding(out, x, gguf_values(kind, blocks))
     # A bfloat16 activation is read as the same value in float32.
     x16 = x.to(torch.bfloat16)
-    assert torch.equal(block_kernel.block_mm(x16, torch.from_numpy(blocks), kind),
-                       block_kernel.block_mm(x16.float(), torch.from_numpy(blocks), kind))
+    assert torch.equal(block_kernel.block_mm(x16, torch.from_numpy(blocks), kind, words),
+                       block_kernel.block_mm(x16.float(), torch.from_numpy(blocks), kind, words))
 
 
 @needs_kernel
@@ -205,3 +209,25 @@ def test_a_cpu_without_avx2_runs_the_int4_kernel_and_says_why(tiny_packed, monke
         block_kernel._build.cache_clear()
     assert packing.packed == packing.candidates and set(packing.forms.values()) == {"int4"}
     assert "no block kernel: the CPU lacks avx2, f16c, fma" in packing.describe()
+
+
+@needs_kernel
+@pytest.mark.skipif(not block_kernel.has_words_build(), reason="the words build is the only build here")
+@pytest.mark.parametrize("timed, kept", [
+    ({False: (8, [1, 2, 3, 4, 9]), True: (16, [2, 3, 4, 6, 9])}, ("words", 16)),  # the wider, though slower
+    ({False: (16, [1, 2, 3, 4, 9]), True: (16, [2, 2, 3, 3, 5])}, ("words", 16)),  # a tie: the quicker in all
+    ({False: (16, [1, 2, 3, 4, 5]), True: (16, [1, 2, 3, 5, 9])}, ("blocks", 16)),
+    ({False: (4, [1, 2, 3, 9]), True: (4, [1, 2, 4, 2])}, ("blocks", 4)),  # past the width: not counted
+    ({False: (0, [9]), True: (0, [9])}, ("blocks", 0)),
+])
+def test_auto_keeps_the_block_kernels_build_packed_wider_and_at_a_tie_the_quicker(timed, kept, monkeypatch):
+    kind = GGMLQuantizationType.Q8_0
+    blocks = quants.quantize(np.random.default_rng(3).normal(size=(16, 64)).astype(np.float32), kind)
+    linear = torch.nn.Linear(64, 16, bias=False)
+    linear.weight.data.copy_(gguf_values(kind, blocks).float())
+    monkeypatch.setattr(quantized, "_packed_width", lambda module, flush, with_times=False: timed[module.words])
+    width, module = quantized._block_builds_timed(linear, (kind, torch.from_numpy(blocks)), None)
+    assert (module.form, width) == kept
+    x = torch.randn(2, 64)
+    assert torch.equal(module.kernel(x), block_kernel.block_mm(x, torch.from_numpy(blocks), kind, module.words))
+    assert quantized._width_words(8, "words") == "packed up to 8 rows (blocks kernel, words build)"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from inference_app.catalogue import model_source
+from inference_app.engine import block_kernel
 from inference_app.engine.fused_projections import Siblings
 from inference_app.engine.loader import load_model
 
@@ -75,6 +76,25 @@ def test_an_unpacked_projection_or_a_narrower_width_runs_them_apart(packed_model
     _assert_parts_equal(siblings, x)
     assert not siblings.joined
 
+
+@pytest.mark.skipif(not block_kernel.has_words_build(), reason="the words build is the block kernel's only build here")
+def test_the_block_kernels_two_builds_join_only_with_their_own(packed_model):
+    qkv, _ = _layer_siblings(packed_model, 4)
+    if qkv[0].blocks is None:
+        pytest.skip("the int4 kernel has one build")
+    siblings = Siblings(qkv)
+    x = torch.randn(3, 1, qkv[0].in_features, generator=torch.Generator().manual_seed(5))
+    try:
+        for projection in qkv:
+            projection.words = True  # the words build, all three: they join, each part its own call's bits
+        _assert_parts_equal(siblings, x)
+        assert siblings.together(x) is not None
+        qkv[1].words = False  # k on the other build: nothing joins, each runs its own
+        _assert_parts_equal(siblings, x)
+        assert not siblings.joined
+    finally:
+        for projection in qkv:
+            projection.words = False
 
 def test_projections_that_are_not_all_packed_run_apart(resident):
     """The tiny model's float32 projections are dense nn.Linear modules: nothing joins."""
