@@ -17,9 +17,9 @@ F16C, or no compiler is found, `extension()` is None and says why; the int4 kern
 weights run as before.
 
 Where the CPU has VNNI, the AVX2 words build is a second build (`extension(words=True)`): on a
-2-core AMD EPYC with AVX-512 it ran the Q8_0 head 1.7-1.9x faster than the VNNI build at 4-16
-rows (each 16-bit activation one word there, where VNNI meets its two bytes apart), and it lost
-at other shapes and on other CPUs, so `auto` times both for each shape
+2-core AMD EPYC with AVX-512 it ran the Q8_0 heads 1.7-1.9x faster than the VNNI build at 4-16
+rows (each 16-bit activation one word there, where VNNI meets its two bytes apart), the K-quants
+even, and it has not run on another CPU with VNNI; so `auto` times both builds for each shape
 (quantized._choose) and names the one it keeps (`words`).
 """
 
