@@ -564,6 +564,7 @@ def _block_builds_timed(linear, blocks, flush):
     return width, module
 
 
+@torch.inference_mode()
 def _packed_width(module, flush, repeats=7, with_times=False):
     """The largest measured width up to which the kernel clearly beat the dense matmul at
     every measured width; 0 when it did not at one row. Each call is timed with the caches

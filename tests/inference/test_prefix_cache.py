@@ -148,7 +148,6 @@ def test_a_prefix_stays_found_when_a_longer_one_through_its_blocks_is_dropped(re
     assert len(cache.longest(short + [9]).tokens) == BLOCK_TOKENS
 
 
-
 def test_a_boundary_key_that_collides_is_caught_by_its_tokens():
     """A hash is not proof: a boundary key pointing at an entry whose tokens differ there serves
     only the blocks before it, and a colliding first block serves nothing."""
@@ -163,6 +162,7 @@ def test_a_boundary_key_that_collides_is_caught_by_its_tokens():
     assert len(cache.longest(same_first).tokens) == BLOCK_TOKENS
     assert cache.longest(other_first) is None
     assert cache.longest(list(range(2 * BLOCK_TOKENS)) + [1]) is held
+
 
 def test_a_batchs_prefixes_leave_when_it_ends_and_others_stay(resident, cache):
     mine, theirs = list(range(1, 1 + BLOCK_TOKENS)), list(range(50, 50 + BLOCK_TOKENS))
