@@ -2,8 +2,9 @@
 (kernels/block_dot.cpp), but for the activations' rounding: to 16 bits per block of 32 (two
 int8 each, the value and its remainder, where llama.cpp rounds to one), the weight's integers
 met in AVX-512 VNNI's `vpdpbusd` where the CPU has it (the K-quants' sub-blocks two at a time
-where it has AVX-512's byte forms too), else in AVX2's word multiply-add, each activation one
-16-bit word, the weight's integers widened to words. It reads the
+where it has AVX-512's byte forms too, and there the 32-weight kinds' blocks as 32 words in
+one 512-bit word multiply-add), else in AVX2's word multiply-add, each activation one 16-bit
+word, the weight's integers widened to words. It reads the
 file's bytes (Q4_1: 0.625 bytes a weight; Q8_0: 1.06, once, where the int4 kernel reads two
 halves; Q6_K, which no int4 kernel takes, 0.82) at any number of rows.
 
@@ -17,10 +18,11 @@ F16C, or no compiler is found, `extension()` is None and says why; the int4 kern
 weights run as before.
 
 Where the CPU has VNNI, the AVX2 words build is a second build (`extension(words=True)`): on a
-2-core AMD EPYC with AVX-512 it ran the Q8_0 heads 1.7-1.9x faster than the VNNI build at 4-16
-rows (each 16-bit activation one word there, where VNNI meets its two bytes apart), the K-quants
-even, and it has not run on another CPU with VNNI; so `auto` times both builds for each shape
-(quantized._choose) and names the one it keeps (`words`).
+2-core AMD EPYC with AVX-512 (Zen 4) it ran the Q8_0 heads 1.7-1.9x faster than the VNNI build
+at 4-16 rows (each 16-bit activation one word there, where VNNI met its two bytes apart), the
+K-quants even; since the AVX-512 build meets the 32-weight kinds as words too, 512 bits at a time,
+it is the quicker for them on a Zen 5 EPYC. Which is quicker is the CPU's, so `auto` times both
+builds for each shape (quantized._choose) and names the one it keeps (`words`).
 """
 
 import functools

@@ -30,10 +30,10 @@
 // saturates at these magnitudes). Where it has AVX-512 (F, BW, DQ, VL) with VNNI, the K-quants
 // meet two sub-blocks of a super-block in one 512-bit `vpdpbusd`, each half of the vector scaled
 // by its own sub-block's scales (MILLM_AVX512): 1.2-1.3x a call at 4-16 rows on an AMD EPYC.
-// The 32-weight kinds meet a block's q and r in one 512-bit `vpdpbusd` there, the q half's sums
-// times 256 once at the end (0.93-1.02x the two 256-bit ones for Q4_1, 0.87-0.95x for Q5_0 and
-// Q8_0 at 4-16 rows); pairs of blocks were 0.8-0.95x for them with int8 activations (their
-// pairs' scalar offsets and minimums; bench/FINDINGS.md).
+// The 32-weight kinds there take each activation block as its 32 words 256 q + r in one 512-bit
+// vector, met by the weight's integers widened to words in one `vpmaddwd` (`tile_wide`): on a
+// 2-core AMD EPYC with AVX-512 (Zen 5) 1.25-1.5x the 512-bit `vpdpbusd` of q and r they took
+// before, and 1.1-1.25x the AVX2 words build, at 4-16 rows (bench/FINDINGS.md).
 //
 // Where the CPU has AVX2 alone (no VNNI: MILLM_WORDS), an activation is kept as the one 16-bit
 // word 256 q + r and met by the weight's integers widened to words in `madd_epi16` (two a block,
@@ -184,6 +184,17 @@ inline void store_bytes(const __m256i n[4], int8_t* out) {
                       _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// The 32 words 256 n + m in order (each within ±32639: no pack saturates).
+inline void store_words(const __m256i n[4], const __m256i m[4], int16_t* out) {
+  for (int j = 0; j < 4; ++j) {
+    const __m256i whole = _mm256_add_epi32(_mm256_slli_epi32(n[j], 8), m[j]);
+    // Packed per 128-bit lane (words 0-3 twice, then 4-7 twice): the permute takes one of each.
+    const __m256i packed = _mm256_packs_epi32(whole, whole);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * j),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  }
+}
+
 inline int32_t lane_sum(const __m256i n[4]) {
   const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
@@ -192,13 +203,17 @@ inline int32_t lane_sum(const __m256i n[4]) {
   return _mm_cvtsi128_si32(t);
 }
 
-Activations quantize(const float* x, int64_t rows, int64_t in) {
+Activations quantize(const float* x, int64_t rows, int64_t in, bool in_order) {
   Activations a{rows, in / QK};
 #ifdef MILLM_WORDS
   a.words.resize(rows * in);
 #else
-  a.q.resize(rows * in);
-  a.r.resize(rows * in);
+  if (in_order) {
+    a.words.resize(rows * in);
+  } else {
+    a.q.resize(rows * in);
+    a.r.resize(rows * in);
+  }
 #endif
   a.d.resize(rows * a.blocks);
   a.xsum.resize(rows * a.blocks);
@@ -238,8 +253,12 @@ Activations quantize(const float* x, int64_t rows, int64_t in) {
       words[QK / 2 + j] = static_cast<int16_t>(whole[2 * j + 1]);
     }
 #else
-    store_bytes(n, a.q.data() + i * QK);
-    store_bytes(m, a.r.data() + i * QK);
+    if (in_order) {
+      store_words(n, m, a.words.data() + i * QK);
+    } else {
+      store_bytes(n, a.q.data() + i * QK);
+      store_bytes(m, a.r.data() + i * QK);
+    }
 #endif
     a.d[i] = d / 256.0f;
     a.xsum[i] = hsum(sum);
@@ -289,13 +308,8 @@ inline __m512 dot_signed(__m512i qw, __m512i qa, __m512i ra) {
 // registers) and one output feature, whose blocks start at w.
 template <int64_t KIND, int R>
 inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t out_stride, int64_t n) {
-#ifdef MILLM_AVX512
-  __m512 acc[R];  // lanes 0-7 the products of q, 8-15 those of r: one 512-bit vpdpbusd for both
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-#else
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-#endif
   float extra[R];
   for (int r = 0; r < R; ++r) extra[r] = 0.0f;
 #ifdef MILLM_WORDS
@@ -319,21 +333,10 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
     __m256i magnitude = qw;
     if constexpr (KIND == Q8_0) magnitude = _mm256_sign_epi8(qw, qw);
 #endif
-#ifdef MILLM_AVX512
-    const __m512i magnitudes = _mm512_broadcast_i64x4(magnitude);
-    __mmask64 negative = 0;
-    if constexpr (KIND == Q8_0) negative = _mm512_movepi8_mask(_mm512_broadcast_i64x4(qw));
-#endif
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * a.blocks + b;
       const float scale = d * dx[i];
-#ifdef MILLM_AVX512
-      __m512i both = join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rest + i * QK)));
-      if constexpr (KIND == Q8_0) both = _mm512_mask_sub_epi8(both, negative, _mm512_setzero_si512(), both);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale),
-                               _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitudes, both)), acc[r]);
-#elif defined(MILLM_WORDS)
+#if defined(MILLM_WORDS)
       acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), dot_words(even, odd, words + i * QK), acc[r]);
 #else
       __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * QK));
@@ -349,15 +352,47 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
       if constexpr (KIND == Q4_1) extra[r] += fp16(w + 2) * a.xsum[r0 * a.blocks + i];
     }
   }
-#ifdef MILLM_AVX512
-  for (int r = 0; r < R; ++r) {
-    out[(r0 + r) * out_stride + n] = 256.0f * hsum(_mm512_castps512_ps256(acc[r])) +
-                                     hsum(_mm512_extractf32x8_ps(acc[r], 1)) + extra[r];
-  }
-#else
   for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = hsum(acc[r]) + extra[r];
-#endif
 }
+
+#ifdef MILLM_AVX512
+// `tile` on AVX-512: each activation block's 32 words (in order) in one 512-bit vector, met by
+// the weight's 32 integers widened to words in one `vpmaddwd` (16 sums of two products) and one
+// float multiply-add; Q4_0's and Q5_0's offset taken from the integers as words, so the sums are
+// of the weight's own w / d.
+template <int64_t KIND, int R>
+inline void tile_wide(const uint8_t* w, const Activations& a, int64_t r0, float* out, int64_t out_stride, int64_t n) {
+  __m512 acc[R];
+  float extra[R];  // Q4_1's minimum times each row's exact sum of x
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    extra[r] = 0.0f;
+  }
+  const int16_t* words = a.words.data() + r0 * a.blocks * QK;
+  const float* dx = a.d.data() + r0 * a.blocks;
+  const float* xsum = a.xsum.data() + r0 * a.blocks;
+  for (int64_t b = 0; b < a.blocks; ++b, w += bytes_of(KIND)) {
+    __m512i wide;
+    if constexpr (KIND == Q4_0) wide = _mm512_sub_epi16(_mm512_cvtepu8_epi16(nibbles(w + 2)), _mm512_set1_epi16(8));
+    if constexpr (KIND == Q4_1) wide = _mm512_cvtepu8_epi16(nibbles(w + 4));
+    if constexpr (KIND == Q5_0) {
+      wide = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2))),
+                              _mm512_set1_epi16(16));
+    }
+    if constexpr (KIND == Q8_0) wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2)));
+    const __m512 d = _mm512_set1_ps(fp16(w));
+    float minimum = 0.0f;
+    if constexpr (KIND == Q4_1) minimum = fp16(w + 2);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * a.blocks + b;
+      const __m512i sums = _mm512_madd_epi16(wide, _mm512_loadu_si512(words + i * QK));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx[i])), _mm512_cvtepi32_ps(sums), acc[r]);
+      if constexpr (KIND == Q4_1) extra[r] += minimum * xsum[i];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = _mm512_reduce_add_ps(acc[r]) + extra[r];
+}
+#endif
 
 // The K-quants' tile: each super-block's 8 sub-blocks, each against one activation block.
 template <int64_t KIND, int R>
@@ -522,7 +557,11 @@ inline void rows_of(const uint8_t* w, const Activations& a, int64_t r0, float* o
   if constexpr (is_k(KIND)) {
     tile_k<KIND, R>(w, a, r0, out, out_stride, n);
   } else {
+#ifdef MILLM_AVX512
+    tile_wide<KIND, R>(w, a, r0, out, out_stride, n);
+#else
     tile<KIND, R>(w, a, r0, out, out_stride, n);
+#endif
   }
 }
 
@@ -559,7 +598,12 @@ torch::Tensor block_mm(const torch::Tensor& x, const torch::Tensor& weight, int6
               in, " inputs and ", weight.size(1), " bytes a row do not match GGML type ", kind);
   const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   const torch::Tensor w = weight.contiguous();
-  const Activations a = quantize(xf.data_ptr<float>(), rows, in);
+#ifdef MILLM_AVX512
+  const bool in_order = !is_k(kind);  // tile_wide's words
+#else
+  const bool in_order = false;
+#endif
+  const Activations a = quantize(xf.data_ptr<float>(), rows, in, in_order);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   torch::Tensor result = torch::empty(shape, torch::kFloat32);
