@@ -32,8 +32,8 @@
 // by its own sub-block's scales (MILLM_AVX512): 1.2-1.3x a call at 4-16 rows on an AMD EPYC.
 // The 32-weight kinds there take each activation block as its 32 words 256 q + r in one 512-bit
 // vector, met by the weight's integers widened to words in one `vpmaddwd` (`tile_wide`): on a
-// 2-core AMD EPYC with AVX-512 (Zen 5) 1.25-1.5x the 512-bit `vpdpbusd` of q and r they took
-// before, and 1.1-1.25x the AVX2 words build, at 4-16 rows (bench/FINDINGS.md).
+// 2-core AMD EPYC with AVX-512 (Zen 5) 1.15-1.65x the 512-bit `vpdpbusd` of q and r they took
+// before, and 1.2-1.45x the AVX2 words build, at 4-16 rows (bench/FINDINGS.md).
 //
 // Where the CPU has AVX2 alone (no VNNI: MILLM_WORDS), an activation is kept as the one 16-bit
 // word 256 q + r and met by the weight's integers widened to words in `madd_epi16` (two a block,
