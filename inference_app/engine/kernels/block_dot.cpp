@@ -167,7 +167,8 @@ inline void scale_min(const uint8_t* q, int j, float& sc, float& m) {
 // Activations rounded per block to d (256 q + r), q and r int8: d the block's step max|x| / 127
 // over 256, q x rounded to that step times 256, r the rest; the sum of 256 q + r (for an offset
 // weight: Q4_0, Q5_0) and the sum of x (for a minimum: Q4_1). Under MILLM_WORDS each block's
-// 256 q + r as 32 words instead, its even elements then its odd ones (`widen`'s order).
+// 256 q + r as 32 words instead, its even elements then its odd ones (`widen`'s order); in the
+// AVX-512 build, for the 32-weight kinds (`in_order`), as 32 words in order (`tile_wide`'s).
 struct Activations {
   int64_t rows, blocks;
   std::vector<int8_t> q, r;
