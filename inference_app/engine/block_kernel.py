@@ -21,7 +21,7 @@ Where the CPU has VNNI, the AVX2 words build is a second build (`extension(words
 2-core AMD EPYC with AVX-512 (Zen 4) it ran the Q8_0 heads 1.7-1.9x faster than the VNNI build
 at 4-16 rows (each 16-bit activation one word there, where VNNI met its two bytes apart), the
 K-quants even; since the AVX-512 build meets the 32-weight kinds as words too, 512 bits at a time,
-it is the quicker for them on a Zen 5 EPYC. Which is quicker is the CPU's, so `auto` times both
+the AVX-512 build is the quicker for them on a Zen 5 EPYC. Which is quicker is the CPU's, so `auto` times both
 builds for each shape (quantized._choose) and names the one it keeps (`words`).
 """
 

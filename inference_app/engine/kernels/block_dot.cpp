@@ -305,6 +305,17 @@ inline __m512 dot_signed(__m512i qw, __m512i qa, __m512i ra) {
 }
 #endif
 
+// A 32-weight block's integers as 32 bytes in element order: Q4_0's, Q4_1's and Q5_0's 0..15 or
+// 0..31 (their offsets not taken), Q8_0's signed.
+template <int64_t KIND>
+inline __m256i integers(const uint8_t* w) {
+  static_assert(KIND == Q4_0 || KIND == Q4_1 || KIND == Q5_0 || KIND == Q8_0);
+  if constexpr (KIND == Q4_0) return nibbles(w + 2);
+  else if constexpr (KIND == Q4_1) return nibbles(w + 4);
+  else if constexpr (KIND == Q5_0) return _mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2));
+  else return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+}
+
 // out[r0 + r, n] for the R activation rows from r0 (R a constant: the accumulators stay in
 // registers) and one output feature, whose blocks start at w.
 template <int64_t KIND, int R>
@@ -322,11 +333,7 @@ inline void tile(const uint8_t* w, const Activations& a, int64_t r0, float* out,
   const float* dx = a.d.data() + r0 * a.blocks;
   for (int64_t b = 0; b < a.blocks; ++b, w += bytes_of(KIND)) {
     const float d = fp16(w);
-    __m256i qw;
-    if constexpr (KIND == Q4_0) qw = nibbles(w + 2);
-    if constexpr (KIND == Q4_1) qw = nibbles(w + 4);
-    if constexpr (KIND == Q5_0) qw = _mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2));
-    if constexpr (KIND == Q8_0) qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+    const __m256i qw = integers<KIND>(w);
 #ifdef MILLM_WORDS
     __m256i even, odd;
     widen<KIND == Q8_0>(qw, even, odd);
@@ -373,14 +380,10 @@ inline void tile_wide(const uint8_t* w, const Activations& a, int64_t r0, float*
   const float* dx = a.d.data() + r0 * a.blocks;
   const float* xsum = a.xsum.data() + r0 * a.blocks;
   for (int64_t b = 0; b < a.blocks; ++b, w += bytes_of(KIND)) {
-    __m512i wide;
-    if constexpr (KIND == Q4_0) wide = _mm512_sub_epi16(_mm512_cvtepu8_epi16(nibbles(w + 2)), _mm512_set1_epi16(8));
-    if constexpr (KIND == Q4_1) wide = _mm512_cvtepu8_epi16(nibbles(w + 4));
-    if constexpr (KIND == Q5_0) {
-      wide = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_or_si256(nibbles(w + 6), fifth_bits(w + 2))),
-                              _mm512_set1_epi16(16));
-    }
-    if constexpr (KIND == Q8_0) wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2)));
+    const __m256i qw = integers<KIND>(w);
+    __m512i wide = KIND == Q8_0 ? _mm512_cvtepi8_epi16(qw) : _mm512_cvtepu8_epi16(qw);
+    if constexpr (KIND == Q4_0) wide = _mm512_sub_epi16(wide, _mm512_set1_epi16(8));
+    if constexpr (KIND == Q5_0) wide = _mm512_sub_epi16(wide, _mm512_set1_epi16(16));
     const __m512 d = _mm512_set1_ps(fp16(w));
     float minimum = 0.0f;
     if constexpr (KIND == Q4_1) minimum = fp16(w + 2);
